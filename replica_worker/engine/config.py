@@ -1,0 +1,88 @@
+"""Engine configuration: one frozen dataclass per subsystem, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULER_NAMES = ("sarathi", "vllm", "orca", "faster_transformer", "simple_chunking")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """model: a local Hugging Face folder (config.json, safetensors, tokenizer).
+
+    load_format "dummy" fills weights with random values of the configured shape;
+    the folder then needs only config.json (and a tokenizer to detokenize).
+    """
+
+    model: str
+    dtype: str = "float32"
+    load_format: str = "auto"  # "auto" (safetensors) or "dummy"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0  # dummy weights
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache. num_blocks wins when given; otherwise the cache is sized
+    from kv_cache_memory_bytes (CPU) or gpu_memory_utilization (CUDA)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = 256 << 20
+    gpu_memory_utilization: float = 0.9
+    watermark: float = 0.01  # fraction of blocks kept free when admitting new prompts
+
+    def __post_init__(self) -> None:
+        _require(self.block_size > 0, "block_size must be positive")
+        _require(self.num_blocks is None or self.num_blocks > 0, "num_blocks must be positive")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
+        _require(0.0 <= self.watermark < 1.0, "watermark must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """name picks the replica scheduler. chunk_size is the per-step token budget of
+    the chunked schedulers (sarathi, simple_chunking); max_num_batched_tokens bounds
+    the others' steps (None: the model's length limit)."""
+
+    name: str = "sarathi"
+    max_num_seqs: int = 128
+    chunk_size: int = 512
+    max_num_batched_tokens: int | None = None
+    # Sarathi's optional dynamic chunk schedule: the chunk size ramps from
+    # high_chunk_size down to low_chunk_size over the prefill of a long prompt.
+    enable_dynamic_chunking_schedule: bool = False
+    low_chunk_size: int = 128
+    high_chunk_size: int = 2048
+    chunk_schedule_max_tokens: int = 131072
+    chunk_schedule_stages: int = 16
+
+    def __post_init__(self) -> None:
+        _require(self.name in SCHEDULER_NAMES, f"scheduler must be one of {SCHEDULER_NAMES}, got {self.name!r}")
+        _require(self.max_num_seqs > 0, "max_num_seqs must be positive")
+        _require(self.chunk_size > 0, "chunk_size must be positive")
+        _require(self.low_chunk_size <= self.high_chunk_size, "low_chunk_size must not exceed high_chunk_size")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    device: str = "cpu"  # "cpu" or "cuda"
+    enable_cuda_graphs: bool = True  # CUDA only: decode-only steps replay captured graphs
+
+    def __post_init__(self) -> None:
+        _require(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), f"device must be cpu or cuda, got {self.device!r}")
