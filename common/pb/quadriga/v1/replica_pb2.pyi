@@ -128,18 +128,20 @@ class Registered(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., policy: _Optional[str] = ..., keep_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "resume_token_ids", "arrival_time")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "resume_token_ids", "arrival_time", "resume_text_len")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     arrival_time: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., arrival_time: _Optional[float] = ...) -> None: ...
+    resume_text_len: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., arrival_time: _Optional[float] = ..., resume_text_len: _Optional[int] = ...) -> None: ...
 
 class Assign(_message.Message):
     __slots__ = ("assignments",)
