@@ -1,0 +1,192 @@
+"""The engine core: a replica's scheduler, model runner and detokenizers, with no networking.
+
+A worker drives it with add_request / abort_request / step; admission_capacity
+says how much more it can take right now (what the worker asks the router for).
+Not thread-safe: one thread owns an EngineCore.
+"""
+
+from __future__ import annotations
+
+import time
+
+from replica_worker.engine.config import EngineConfig
+from replica_worker.engine.detokenizer import IncrementalDetokenizer
+from replica_worker.engine.errors import InvalidRequestError
+from replica_worker.engine.model_runner import ModelRunner
+from replica_worker.engine.outputs import EngineLoad, RequestDelta, StepResult
+from replica_worker.engine.sampling_params import SamplingParams
+from replica_worker.engine.schedulers import make_scheduler
+from replica_worker.engine.schedulers.base import AdmissionCapacity, ScheduledChunk
+from replica_worker.engine.sequence import Sequence, SequenceStatus
+
+
+def _eos_ids(*sources) -> frozenset[int]:
+    ids: set[int] = set()
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, tokenizer=None):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.vocab_size
+        self.scheduler = make_scheduler(
+            config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len
+        )
+        self.tokenizer = tokenizer
+        self.eos_token_ids = _eos_ids(
+            self.runner.eos_token_id, getattr(tokenizer, "eos_token_id", None)
+        )
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._step_id = 0
+
+    # ---- requests in ----
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        resume_token_ids: list[int] | None = None,
+        resume_text_len: int | None = None,
+    ) -> Sequence:
+        """Queues a request; raises InvalidRequestError saying what is wrong."""
+        resume = list(resume_token_ids or ())
+        self._validate(request_id, prompt_token_ids, params, resume)
+        seq = Sequence(
+            request_id, prompt_token_ids, params, arrival_time=arrival_time, resume_token_ids=resume
+        )
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, seq.output_token_ids, params.stop, resume_text_len
+            )
+        self.scheduler.add_seq(seq)
+        return seq
+
+    def _validate(self, request_id, prompt, params: SamplingParams, resume: list[int]) -> None:
+        if not request_id:
+            raise InvalidRequestError("request_id must not be empty")
+        if self.scheduler.get_seq(request_id) is not None:
+            raise InvalidRequestError(f"request_id {request_id!r} is already running on this engine")
+        if not prompt:
+            raise InvalidRequestError("prompt is empty: give at least one token")
+        context = len(prompt) + len(resume)
+        if context >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {context} tokens; the model allows {self.max_model_len} "
+                "in all, so the prompt must be shorter to leave room for output"
+            )
+        bad = [t for t in (*prompt, *resume) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if params.max_tokens is not None and len(resume) >= params.max_tokens:
+            raise InvalidRequestError("resume_token_ids already reach max_tokens")
+        longest = min(self.max_model_len, len(prompt) + (params.max_tokens or self.max_model_len))
+        if not self.scheduler.can_ever_fit(longest):
+            raise InvalidRequestError(
+                f"a request of up to {longest} tokens can never fit in this replica's KV cache"
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self.scheduler.abort_seq(request_id)
+        self._detokenizers.pop(request_id, None)
+        return seq is not None
+
+    # ---- the step ----
+    def step(self) -> StepResult:
+        start = time.perf_counter()
+        self._step_id += 1
+        out = self.scheduler.schedule()
+        deltas = [self._ignored_delta(seq) for seq in out.ignored]
+        if out.chunks:
+            sampled = self.runner.execute(out.chunks)
+            deltas.extend(self._apply(out.chunks, sampled))
+        return StepResult(
+            deltas=deltas,
+            batch_size=len(out.chunks),
+            num_tokens=out.num_batched_tokens,
+            num_preempted=len(out.preempted),
+            step_time=time.perf_counter() - start,
+        )
+
+    def _apply(self, chunks: list[ScheduledChunk], sampled: list[int]) -> list[RequestDelta]:
+        now = time.time()
+        deltas = []
+        tokens = iter(sampled)
+        for chunk in chunks:
+            seq = chunk.seq
+            samples = chunk.samples  # read before advancing num_computed_tokens
+            seq.num_computed_tokens += chunk.num_tokens
+            if not samples:
+                continue
+            token = next(tokens)
+            offset = seq.num_output_tokens
+            seq.append_token(token, now)
+            deltas.append(self._delta_after_token(seq, token, offset, now))
+        return deltas
+
+    def _delta_after_token(self, seq: Sequence, token: int, offset: int, now: float) -> RequestDelta:
+        status = self._stop_status(seq, token)
+        detok = self._detokenizers.get(seq.seq_id)
+        text = ""
+        if detok is not None:
+            text, stop_string_hit = detok.step(final=status is not None)
+            if stop_string_hit:
+                status = SequenceStatus.FINISHED_STOPPED
+        delta = RequestDelta(seq.seq_id, [token], text, offset, seq=seq)
+        if status is not None:
+            self._finish(seq, status, now)
+            delta.finish_reason = status.value
+        return delta
+
+    def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        params = seq.sampling_params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, now: float) -> None:
+        seq.finish(status, now)
+        self.scheduler.free_finished(seq)
+        self._detokenizers.pop(seq.seq_id, None)
+
+    def _ignored_delta(self, seq: Sequence) -> RequestDelta:
+        self._detokenizers.pop(seq.seq_id, None)
+        return RequestDelta(
+            seq.seq_id, [], "", seq.num_output_tokens, finish_reason="error",
+            error="request can never be scheduled on this replica (too long for its KV cache)",
+            seq=seq,
+        )
+
+    # ---- what the worker asks ----
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def admission_capacity(self) -> AdmissionCapacity:
+        return self.scheduler.admission_capacity()
+
+    def load(self) -> EngineLoad:
+        bm = self.scheduler.block_manager
+        return EngineLoad(
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            free_kv_blocks=bm.num_free_blocks,
+            total_kv_blocks=bm.num_total_blocks,
+        )
+
+    def request_ids(self) -> list[str]:
+        return [s.seq_id for s in (*self.scheduler.running, *self.scheduler.waiting)]

@@ -1,0 +1,106 @@
+"""Incremental detokenization with stop strings.
+
+Text is decoded from a short window of tokens, so each step costs O(window),
+not O(output). A delta is held back while it ends in an incomplete UTF-8
+character (U+FFFD from a partial byte sequence) or could be the start of a
+stop string, so a delta never splits a character and a stop string is never
+half-sent. Joining every delta gives the decoded output (cut before a stop
+string when one matched).
+"""
+
+from __future__ import annotations
+
+# Tokens kept before the read position so that decoding the window sees the
+# same context (e.g. leading-space rules) as decoding the whole output.
+_CONTEXT_TOKENS = 6
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer,
+        output_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        resume_text_len: int | None = None,
+    ):
+        """output_token_ids is the live list of the sequence's output tokens.
+
+        Tokens already in it were resumed from another replica. resume_text_len
+        is how many characters of their text were delivered; None means all
+        of it up to the last complete character. Undelivered text is sent
+        with the first delta.
+        """
+        self._tokenizer = tokenizer
+        self._tokens = output_token_ids
+        self._stop = stop
+        self._max_stop_len = max((len(s) for s in stop), default=0)
+        self._read = len(output_token_ids)
+        self._prefix = max(0, self._read - _CONTEXT_TOKENS)
+        # Never resume inside an incomplete character: step back over its tokens.
+        while self._read > self._prefix and self._decode(self._prefix, self._read).endswith(_REPLACEMENT):
+            self._read -= 1
+        self._held = ""  # decoded but not yet sent (possible stop-string prefix)
+        sent = ""
+        if self._read and (stop or resume_text_len is not None):
+            decoded = self._decode(0, self._read)  # once per resumed request
+            if resume_text_len is not None:
+                sent, self._held = decoded[:resume_text_len], decoded[resume_text_len:]
+            else:
+                sent = decoded
+        # Tail of sent text, for stop strings that span a delta boundary.
+        self._recent = sent[-self._max_stop_len:] if stop else ""
+
+    def _decode(self, start: int, end: int) -> str:
+        if start >= end:
+            return ""
+        return self._tokenizer.decode(self._tokens[start:end], skip_special_tokens=True)
+
+    def _advance(self, final: bool) -> str:
+        """Newly completed text since the read position; moves the window."""
+        prefix_text = self._decode(self._prefix, self._read)
+        full_text = self._decode(self._prefix, len(self._tokens))
+        if len(full_text) <= len(prefix_text):
+            return ""
+        if full_text.endswith(_REPLACEMENT) and not final:
+            return ""
+        new_text = full_text[len(prefix_text):]
+        self._prefix = max(self._read, len(self._tokens) - _CONTEXT_TOKENS)
+        self._read = len(self._tokens)
+        return new_text
+
+    def step(self, final: bool = False) -> tuple[str, bool]:
+        """Call after tokens were appended. Returns (text delta, stop string matched).
+
+        With final=True everything decodable is released (the request ends).
+        After a stop-string match the delta ends just before the stop string
+        and the caller must finish the request.
+        """
+        pending = self._held + self._advance(final)
+        self._held = ""
+        if not pending:
+            return "", False
+        if self._stop:
+            window = self._recent + pending
+            cut = self._find_stop(window)
+            if cut is not None:
+                return window[len(self._recent):cut] if cut > len(self._recent) else "", True
+            if not final:
+                keep = self._stop_prefix_len(window)
+                keep = min(keep, len(pending))
+                if keep:
+                    pending, self._held = pending[:-keep], pending[-keep:]
+            self._recent = (self._recent + pending)[-self._max_stop_len:]
+        return pending, False
+
+    def _find_stop(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest tail of text that begins some stop string."""
+        for n in range(min(self._max_stop_len - 1, len(text)), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self._stop):
+                return n
+        return 0

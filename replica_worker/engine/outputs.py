@@ -1,0 +1,79 @@
+"""What the engine reports: per-step deltas and per-request results with metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from replica_worker.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Wall-clock seconds. Times measured from arrival; token_gaps are the times between tokens."""
+
+    arrival_time: float
+    scheduling_delay: float | None
+    time_to_first_token: float | None
+    token_gaps: tuple[float, ...]
+    end_to_end: float | None
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestMetrics":
+        t = seq.times
+
+        def since_arrival(x: float | None) -> float | None:
+            return None if x is None else x - t.arrival
+
+        gaps = tuple(b - a for a, b in zip(t.token_times, t.token_times[1:]))
+        return cls(
+            arrival_time=t.arrival,
+            scheduling_delay=since_arrival(t.first_scheduled),
+            time_to_first_token=since_arrival(t.first_token),
+            token_gaps=gaps,
+            end_to_end=since_arrival(t.finished),
+            num_preemptions=seq.num_preemptions,
+        )
+
+
+@dataclass
+class RequestDelta:
+    """New output of one request in one step. output_offset is the index, in the
+    request's whole output (resumed tokens included), of new_token_ids[0]."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    output_offset: int
+    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+    error: str = ""
+    seq: Sequence | None = field(default=None, repr=False)
+
+
+@dataclass
+class StepResult:
+    deltas: list[RequestDelta]
+    batch_size: int = 0
+    num_tokens: int = 0
+    num_preempted: int = 0
+    step_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int
+    waiting: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+
+
+@dataclass
+class CompletionOutput:
+    """One finished request of LLM.generate."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    metrics: RequestMetrics

@@ -1,0 +1,96 @@
+"""Incremental detokenizer: deltas never split a character and join to the full text."""
+
+import random
+
+import pytest
+
+from common.tokenizer import load_tokenizer
+from replica_worker.engine.detokenizer import IncrementalDetokenizer
+
+TEXT = "Zürich café 東京 模型 🙂🚀 naïve — «quoted» ½ €5 Привет мир こんにちは ✨ end."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return load_tokenizer(str(tiny_model))
+
+
+def stream(tokenizer, ids, stop=(), chunk_sizes=None, resume=0, resume_text_len=None):
+    """Feeds ids a few at a time; returns (deltas, stopped)."""
+    out = list(ids[:resume])
+    detok = IncrementalDetokenizer(tokenizer, out, tuple(stop), resume_text_len)
+    deltas, i = [], resume
+    rng = random.Random(0)
+    while i < len(ids):
+        n = chunk_sizes or 1
+        n = rng.randint(1, 3) if n == "random" else n
+        out.extend(ids[i:i + n])
+        i += n
+        text, hit = detok.step(final=i >= len(ids))
+        deltas.append(text)
+        if hit:
+            return deltas, True
+    return deltas, False
+
+
+def byte_tokens(tokenizer, text):
+    """Single-byte tokens make multi-byte characters span several tokens."""
+    vocab = tokenizer.get_vocab()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.convert_ids_to_tokens(i) for i in ids]
+    split = []
+    for piece, i in zip(pieces, ids):
+        if len(piece) > 1 and all(ch in vocab for ch in piece):
+            split.extend(vocab[ch] for ch in piece)
+        else:
+            split.append(i)
+    return split
+
+
+@pytest.mark.parametrize("chunks", [1, 2, "random"])
+def test_deltas_join_to_full_decode_and_never_split_characters(tokenizer, chunks):
+    ids = byte_tokens(tokenizer, TEXT)
+    assert len(ids) > len(tokenizer.encode(TEXT, add_special_tokens=False))
+    deltas, stopped = stream(tokenizer, ids, chunk_sizes=chunks)
+    assert not stopped
+    assert "".join(deltas) == tokenizer.decode(ids) == TEXT
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_stop_string_cuts_text_and_is_never_half_sent(tokenizer):
+    ids = byte_tokens(tokenizer, TEXT)
+    deltas, stopped = stream(tokenizer, ids, stop=("模型 🙂",))
+    assert stopped
+    assert "".join(deltas) == "Zürich café 東京 "
+    # held back: no delta ever ended with a prefix of the stop string
+    assert not any(d.endswith("模") for d in deltas)
+
+
+def test_stop_string_that_never_matches_releases_held_text(tokenizer):
+    ids = tokenizer.encode("abc abd abe", add_special_tokens=False)
+    deltas, stopped = stream(tokenizer, ids, stop=("abz",))
+    assert not stopped
+    assert "".join(deltas) == "abc abd abe"
+
+
+@pytest.mark.parametrize("resume", [3, 7, 11])
+def test_resumed_output_continues_without_gap_or_repeat(tokenizer, resume):
+    ids = byte_tokens(tokenizer, TEXT)
+    # What an earlier replica sent before it died (its last step not final,
+    # so it may have held back an incomplete character).
+    out = []
+    detok = IncrementalDetokenizer(tokenizer, out)
+    sent = ""
+    for t in ids[:resume]:
+        out.append(t)
+        sent += detok.step()[0]
+    rest, _ = stream(tokenizer, ids, resume=resume, resume_text_len=len(sent))
+    assert sent + "".join(rest) == TEXT
+
+
+def test_resume_without_text_length_skips_nothing_complete(tokenizer):
+    ids = tokenizer.encode("hello world again", add_special_tokens=False)
+    resume = 2
+    sent = tokenizer.decode(ids[:resume])
+    rest, _ = stream(tokenizer, ids, resume=resume)
+    assert sent + "".join(rest) == "hello world again"
