@@ -1,0 +1,51 @@
+"""Attention backend interface.
+
+KV cache layout, per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim]
+(index 0 of dim 1 is K, 1 is V): flashinfer's NHD paged layout, so a
+flashinfer backend reads the same tensors the torch backend writes.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from replica_worker.engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(abc.ABC):
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5 if scale is None else scale
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Once per step, before the first layer: precompute whatever every layer
+        reuses (index tensors, masks, flashinfer plans) into metadata.backend_data."""
+
+    @abc.abstractmethod
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """Stores the new tokens' k, v ([T, num_kv_heads, head_dim]) at metadata.slot_mapping."""
+
+    @abc.abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """q [T, num_heads, head_dim] against each sequence's cached context
+        (which already holds this step's k, v); returns [T, num_heads, head_dim].
+        A query at position p sees keys at positions <= p of its own sequence."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        self.write_kv(kv_cache, k, v, metadata)
+        return self.attend(q, k, v, kv_cache, metadata)
+
+
+def select_backend(device: torch.device | str) -> type[AttentionBackend]:
+    """The backend class for a device. A flashinfer backend for CUDA plugs in here."""
+    from replica_worker.engine.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend

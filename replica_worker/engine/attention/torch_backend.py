@@ -1,0 +1,108 @@
+"""Plain-torch paged attention: the CPU backend and the reference for others.
+
+Prefill chunks run one scaled_dot_product_attention each against their
+gathered context; all decodes run as one padded, masked batch. Every index
+tensor and mask is built once per step in prepare(), not per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from replica_worker.engine.attention.backend import AttentionBackend
+from replica_worker.engine.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class _PrefillPlan:
+    q_start: int
+    q_end: int
+    # None when the chunk is the whole context (num_computed == 0): attend to
+    # the new k, v directly with is_causal.
+    ctx_block: torch.Tensor | None  # [L] physical block of each context position
+    ctx_offset: torch.Tensor | None  # [L]
+    mask: torch.Tensor | None  # [Q, L] bool, True = attend
+
+
+@dataclass
+class _TorchPlan:
+    write_block: torch.Tensor  # [T]
+    write_offset: torch.Tensor  # [T]
+    prefills: list[_PrefillPlan]
+    dec_block: torch.Tensor | None  # [D, Lmax]
+    dec_offset: torch.Tensor | None  # [Lmax]
+    dec_mask: torch.Tensor | None  # [D, 1, 1, Lmax]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, md: AttentionMetadata) -> None:
+        bs = md.block_size
+        device = md.slot_mapping.device
+        qsl = md.query_start_loc_host.tolist()
+        nc = md.num_computed_host.tolist()
+        lens = md.seq_lens_host.tolist()
+        prefills = []
+        for i in range(md.num_prefills):
+            if nc[i] == 0:
+                prefills.append(_PrefillPlan(qsl[i], qsl[i + 1], None, None, None))
+                continue
+            pos = torch.arange(lens[i], device=device)
+            q_pos = torch.arange(nc[i], lens[i], device=device)
+            prefills.append(
+                _PrefillPlan(
+                    qsl[i], qsl[i + 1],
+                    md.block_tables[i, pos // bs].long(), pos % bs,
+                    pos[None, :] <= q_pos[:, None],
+                )
+            )
+        dec_block = dec_offset = dec_mask = None
+        if md.num_decodes:
+            lmax = max(lens[md.num_prefills:])
+            pos = torch.arange(lmax, device=device)
+            dec_block = md.block_tables[md.num_prefills:, pos // bs].long()
+            dec_offset = pos % bs
+            dec_mask = (pos[None, :] < md.seq_lens[md.num_prefills:, None])[:, None, None, :]
+        md.backend_data = _TorchPlan(
+            md.slot_mapping // bs, md.slot_mapping % bs, prefills, dec_block, dec_offset, dec_mask
+        )
+
+    @staticmethod
+    def _plan(md: AttentionMetadata) -> _TorchPlan:
+        if md.backend_data is None:
+            raise RuntimeError("TorchAttentionBackend.prepare(metadata) was not called for this step")
+        return md.backend_data
+
+    def write_kv(self, kv_cache, k, v, md):
+        plan = self._plan(md)
+        # Advanced indices around a slice put the indexed dim first: [T, 2, H, D].
+        kv_cache[plan.write_block, :, plan.write_offset] = torch.stack((k, v), dim=1)
+
+    def attend(self, q, k, v, kv_cache, md):
+        plan = self._plan(md)
+        out = torch.empty_like(q)
+        for p in plan.prefills:
+            qi = q[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Q, D]
+            if p.ctx_block is None:
+                ki = k[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)
+                vi = v[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                ctx = kv_cache[p.ctx_block, :, p.ctx_offset]  # [L, 2, Hkv, D]
+                ki = ctx[:, 0].transpose(0, 1).unsqueeze(0)
+                vi = ctx[:, 1].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=p.mask, scale=self.scale, enable_gqa=True)
+            out[p.q_start : p.q_end] = o[0].transpose(0, 1)
+        if plan.dec_block is not None:
+            start = md.num_prefill_tokens
+            ctx = kv_cache[plan.dec_block, :, plan.dec_offset]  # [B, Lmax, 2, Hkv, D]
+            kd = ctx[:, :, 0].transpose(1, 2)  # [B, Hkv, Lmax, D]
+            vd = ctx[:, :, 1].transpose(1, 2)
+            qd = q[start:].unsqueeze(2)  # [B, Hq, 1, D]
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.dec_mask, scale=self.scale, enable_gqa=True)
+            out[start:] = o.squeeze(2)
+        return out

@@ -1,0 +1,69 @@
+"""Paged KV cache: one tensor per layer, [num_blocks, 2, block_size, num_kv_heads, head_dim].
+
+That is flashinfer's NHD paged layout (dim 1: K then V), so every attention
+backend reads and writes the same tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from replica_worker.engine.config import CacheConfig
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """KV bytes of one block across all layers (the unit the BlockManager hands out)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * elem
+
+
+def determine_num_blocks(
+    cache_config: CacheConfig,
+    block_bytes: int,
+    device: torch.device,
+    profile: Callable[[], None] | None = None,
+) -> int:
+    """num_blocks when configured; on the CPU kv_cache_memory_bytes // block_bytes;
+    on CUDA what fits in total * gpu_memory_utilization once the weights and the
+    peak activations of a profiling forward (`profile`) are counted."""
+    if cache_config.num_blocks is not None:
+        return cache_config.num_blocks
+    if device.type != "cuda":
+        num = cache_config.kv_cache_memory_bytes // block_bytes
+    else:
+        torch.cuda.synchronize(device)
+        if profile is not None:
+            profile()
+            torch.cuda.synchronize(device)
+        free, total = torch.cuda.mem_get_info(device)
+        # (total - free) holds the weights, the allocator's cached activation
+        # memory (reused by later steps) and non-torch usage (CUDA context).
+        num = int(total * cache_config.gpu_memory_utilization - (total - free)) // block_bytes
+    if num < 1:
+        raise RuntimeError(
+            f"no memory left for the KV cache ({block_bytes} bytes per block); "
+            "raise kv_cache_memory_bytes / gpu_memory_utilization or set num_blocks"
+        )
+    return int(num)
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.bytes_per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
+        # Zeros, not empty: padded decode rows gather never-written slots, and
+        # NaN garbage there would poison the masked softmax's matmul.
+        self.layers: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

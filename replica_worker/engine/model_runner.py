@@ -1,0 +1,169 @@
+"""Runs one engine step: flatten the scheduled chunks, run the model, sample.
+
+Contract with the scheduler: a chunk (seq, num_tokens) computes tokens
+[seq.num_computed_tokens, + num_tokens) of seq.token_ids at those positions,
+into blocks seq.block_ids that already cover them. The KV cache holds tokens
+[0, num_computed_tokens). A chunk that reaches the last known token samples
+one token. The runner never modifies sequences; the engine advances them.
+
+Host work per step: one pass over the chunks to build the inputs and the
+attention metadata, and one device-to-host sync (the sampled ids). Nothing
+host-side runs per layer except inside the plain torch backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from replica_worker.engine.attention import AttentionMetadata, build_attention_metadata, select_backend
+from replica_worker.engine.config import EngineConfig
+from replica_worker.engine.kv_cache import KVCache, bytes_per_block, determine_num_blocks
+from replica_worker.engine.model import DTYPES, get_model, load_hf_config
+from replica_worker.engine.sampler import Sampler, SamplingRow
+from replica_worker.engine.sampling_params import SamplingParams
+from replica_worker.engine.sequence import Sequence
+
+
+class ChunkLike(Protocol):
+    seq: Sequence
+    num_tokens: int
+
+
+@dataclass
+class _Chunk:
+    seq: Sequence
+    num_tokens: int
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] rows that sample, in chunk order
+    sampling_rows: list[SamplingRow]
+
+
+def _samples(chunk: ChunkLike) -> bool:
+    return chunk.seq.num_computed_tokens + chunk.num_tokens == chunk.seq.num_tokens
+
+
+def _read_eos(model_dir: str, hf_config) -> int | list[int] | None:
+    """generation_config.json wins (as in transformers' generate); else config.json."""
+    import json
+    from pathlib import Path
+
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            return eos
+    return getattr(hf_config, "eos_token_id", None)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        mc = config.model
+        self.hf_config = load_hf_config(mc.model)
+        max_pos = self.hf_config.max_position_embeddings
+        if mc.max_model_len is not None and mc.max_model_len > max_pos:
+            raise ValueError(f"max_model_len {mc.max_model_len} exceeds the model's max_position_embeddings {max_pos}")
+        self.max_model_len: int = mc.max_model_len or max_pos
+        self.dtype = DTYPES[mc.dtype]
+        self.eos_token_id = _read_eos(mc.model, self.hf_config)
+
+        backend_cls = select_backend(self.device)
+        n_heads = self.hf_config.num_attention_heads
+        head_dim = getattr(self.hf_config, "head_dim", None) or self.hf_config.hidden_size // n_heads
+        n_kv = getattr(self.hf_config, "num_key_value_heads", None) or n_heads
+        self.backend = backend_cls(n_heads, n_kv, head_dim)
+        self.model = get_model(mc, self.backend, self.device, self.max_model_len, self.hf_config)
+        self.vocab_size: int = self.model.shape.vocab_size
+        self.sampler = Sampler(self.device, seed=mc.seed)
+
+        self.block_size = config.cache.block_size
+        num_layers = self.model.shape.num_layers
+        block_bytes = bytes_per_block(num_layers, self.block_size, n_kv, head_dim, self.dtype)
+        self.num_blocks = determine_num_blocks(config.cache, block_bytes, self.device, self._profile_run)
+        self.kv_cache = KVCache(num_layers, self.num_blocks, self.block_size, n_kv, head_dim, self.dtype, self.device)
+        self.bytes_per_block = block_bytes
+
+    # ---- one step ----
+    def execute(self, chunks: list[ChunkLike]) -> list[int]:
+        """Sampled token ids, one per chunk that samples, in chunk order."""
+        if not chunks:
+            return []
+        inputs = self.prepare_inputs(chunks)
+        with torch.inference_mode():
+            sampled = self._run(inputs, self.kv_cache.layers)
+        return [] if sampled is None else sampled.tolist()  # the step's one host sync
+
+    def _run(self, inputs: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+        self.backend.prepare(inputs.metadata)
+        hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.metadata)
+        if not inputs.sampling_rows:
+            return None
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        return self.sampler(logits, inputs.sampling_rows)
+
+    def prepare_inputs(self, chunks: list[ChunkLike]) -> StepInputs:
+        # Prefills (chunks of more than one token) first, then decodes, as the
+        # backends want; samples keep the caller's chunk order via logits_indices.
+        order = [i for i, c in enumerate(chunks) if c.num_tokens > 1]
+        num_prefills = len(order)
+        order += [i for i, c in enumerate(chunks) if c.num_tokens <= 1]
+        ordered = [chunks[i] for i in order]
+        for c in ordered:
+            if c.num_tokens < 1 or c.seq.num_computed_tokens + c.num_tokens > c.seq.num_tokens:
+                raise ValueError(f"bad chunk of {c.num_tokens} tokens for {c.seq!r}")
+            if c.seq.num_computed_tokens + c.num_tokens > self.max_model_len:
+                raise ValueError(f"{c.seq!r} exceeds max_model_len {self.max_model_len}")
+        md, positions = build_attention_metadata(
+            [c.seq.num_computed_tokens for c in ordered],
+            [c.num_tokens for c in ordered],
+            [c.seq.block_ids for c in ordered],
+            num_prefills,
+            self.block_size,
+            self.device,
+        )
+        token_ids: list[int] = []
+        for c in ordered:
+            start = c.seq.num_computed_tokens
+            token_ids.extend(c.seq.token_ids[start : start + c.num_tokens])
+        qsl = md.query_start_loc_host.tolist()
+        row_of = {idx: qsl[k + 1] - 1 for k, idx in enumerate(order)}  # last token of each chunk
+        sampling = [i for i, c in enumerate(chunks) if _samples(c)]
+        rows = [SamplingRow(chunks[i].seq.sampling_params, chunks[i].seq.num_output_tokens) for i in sampling]
+        return StepInputs(
+            input_ids=self._to_device(np.asarray(token_ids, dtype=np.int64)),
+            positions=self._to_device(positions),
+            metadata=md,
+            logits_indices=self._to_device(np.asarray([row_of[i] for i in sampling], dtype=np.int64)),
+            sampling_rows=rows,
+        )
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
+
+    # ---- KV cache sizing on CUDA ----
+    def _profile_run(self) -> None:
+        """One forward of the largest step the scheduler may send, against a
+        throwaway cache, so the peak activation memory is counted before sizing."""
+        sc = self.config.scheduler
+        budget = max(sc.chunk_size, sc.max_num_batched_tokens or 0)
+        num_tokens = min(budget, self.max_model_len)
+        blocks = -(-num_tokens // self.block_size)
+        s = self.model.shape
+        tmp = KVCache(s.num_layers, blocks, self.block_size, s.num_kv_heads, s.head_dim, self.dtype, self.device)
+        seq = Sequence("profile", [0] * num_tokens, SamplingParams(temperature=0.0))
+        seq.block_ids = list(range(blocks))
+        with torch.inference_mode():
+            self._run(self.prepare_inputs([_Chunk(seq, num_tokens)]), tmp.layers)
+        del tmp
