@@ -47,7 +47,8 @@ def test_append_adds_a_block_only_at_a_boundary():
     assert len(seq.block_ids) == 2
     bm.append(seq, 5)  # slots 4..8 need 3 blocks in all
     assert len(seq.block_ids) == 3 and bm.num_free_blocks == 1
-    assert not bm.can_append(seq, 9)  # slots up to 12 need 4 more... only 1 free
+    assert bm.can_append(seq, 9)  # slots 4..12: one more block, the last free one
+    assert not bm.can_append(seq, 13)  # slots 4..16: two more blocks
     bm.free(seq)
     assert bm.num_free_blocks == 4
 
