@@ -188,5 +188,9 @@ class EngineCore:
             total_kv_blocks=bm.num_total_blocks,
         )
 
+    @property
+    def step_id(self) -> int:
+        return self._step_id
+
     def request_ids(self) -> list[str]:
         return [s.seq_id for s in (*self.scheduler.running, *self.scheduler.waiting)]

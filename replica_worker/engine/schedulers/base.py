@@ -74,7 +74,7 @@ class _Step:
         return self.budget - self.num_tokens
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
-        assert 0 < num_tokens <= self.room, (seq, num_tokens, self.room)
+        assert 0 < num_tokens <= min(self.room, seq.num_uncomputed_tokens), (seq, num_tokens, self.room)
         chunk = ScheduledChunk(seq, num_tokens)
         (self.prefills if seq.in_prefill else self.decodes).append(chunk)
         self.num_tokens += num_tokens

@@ -1,0 +1,32 @@
+"""Builds a ReplicaWorker from its config: engine, tokenizer, advertised capacity."""
+
+from __future__ import annotations
+
+import logging
+
+from common.pb.quadriga.v1 import replica_pb2 as pb
+from common.tokenizer import load_tokenizer
+from replica_worker.engine.core import EngineCore
+from replica_worker.engine.llm import engine_config
+from replica_worker.worker.client import ReplicaWorker
+from replica_worker.worker.config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+def build_worker(config: WorkerConfig) -> ReplicaWorker:
+    engine_cfg = engine_config(
+        config.model, scheduler=config.scheduler, device=config.device, **dict(config.engine_args)
+    )
+    engine = EngineCore(engine_cfg, load_tokenizer(config.model))
+    sched = engine_cfg.scheduler
+    capacity = pb.ReplicaCapacity(
+        max_num_seqs=sched.max_num_seqs,
+        num_kv_blocks=engine.runner.num_blocks,
+        block_size=engine_cfg.cache.block_size,
+        max_batch_tokens=sched.chunk_size,
+        max_model_len=engine.max_model_len,
+    )
+    log.info("engine ready: %s on %s, %d KV blocks, scheduler %s",
+             config.model_name, config.device, engine.runner.num_blocks, sched.name)
+    return ReplicaWorker(config, engine, capacity)

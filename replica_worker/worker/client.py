@@ -1,0 +1,259 @@
+"""The replica worker's gRPC side: dials the router, turns RouterMessages into
+engine commands and engine reports into one StepOutputs message per step.
+
+The engine keeps running while the router is away; on reconnect the worker
+re-registers with the requests it holds, resends their deltas (the router
+drops duplicates by output_offset) and aborts those the router re-queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from common.pb.quadriga.v1 import replica_pb2 as pb
+from common.pb.quadriga.v1 import replica_pb2_grpc
+from replica_worker.engine.errors import InvalidRequestError
+from replica_worker.worker import protocol
+from replica_worker.worker.config import WorkerConfig
+from replica_worker.worker.credit import PullCredit
+from replica_worker.worker.engine_loop import AbortRequest, EngineLoop, EngineReport
+from replica_worker.worker.session_state import RequestBook
+
+log = logging.getLogger(__name__)
+
+# Statuses at registration that no retry can fix: exit instead of reconnecting.
+FATAL_CODES = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+               grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
+
+
+class FatalRegistrationError(RuntimeError):
+    pass
+
+
+class ReplicaWorker:
+    def __init__(self, config: WorkerConfig, engine, capacity_msg: pb.ReplicaCapacity):
+        self.config = config
+        self.capacity_msg = capacity_msg
+        self.book = RequestBook()
+        self.credit = PullCredit(prefetch=config.prefetch)
+        self.engine_loop = EngineLoop(engine, self._on_report_from_thread)
+        self._reports: asyncio.Queue[EngineReport] = asyncio.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._call = None  # the live stream, None while disconnected
+        self._last_report: EngineReport | None = None
+        self._lease_ttl_s = 10.0
+        self._heartbeat_s = 1.0
+        self._disconnected_at: float | None = None
+        self.draining = False
+        self._drain_deadline = float("inf")
+        self._done = asyncio.Event()
+
+    # ---- engine thread -> event loop ----
+    def _on_report_from_thread(self, report: EngineReport) -> None:
+        self._loop.call_soon_threadsafe(self._reports.put_nowait, report)
+
+    # ---- lifecycle ----
+    async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.engine_loop.start()
+        pump = asyncio.create_task(self._pump_reports())
+        try:
+            await self._connect_forever()
+        finally:
+            pump.cancel()
+            self.engine_loop.stop()
+
+    def begin_drain(self) -> None:
+        """Stop taking work; finish what runs (for drain_timeout_s), hand back the rest, exit."""
+        if not self.draining:
+            log.info("draining: %d requests in hand", len(self.book.live))
+            self.draining = True
+            self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
+            self._check_drained()
+
+    def _check_drained(self) -> None:
+        if self.draining and not self.book.live:
+            self._done.set()
+
+    async def _connect_forever(self) -> None:
+        backoff = self.config.reconnect_min_s
+        while not self._done.is_set():
+            channel = self._channel()
+            try:
+                await self._session(channel)
+                backoff = self.config.reconnect_min_s
+            except FatalRegistrationError:
+                raise
+            except (grpc.aio.AioRpcError, ConnectionError) as exc:
+                log.warning("router stream broke: %s", getattr(exc, "details", lambda: exc)())
+            finally:
+                self._call = None
+                self.credit.reset()
+                await channel.close()
+            if self._done.is_set():
+                return
+            self._disconnected_at = self._disconnected_at or time.monotonic()
+            self._expire_if_leases_lapsed()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.config.reconnect_max_s)
+
+    def _channel(self) -> grpc.aio.Channel:
+        options = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_permit_without_calls", 1)]
+        if self.config.tls_ca_file:
+            with open(self.config.tls_ca_file, "rb") as f:
+                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            return grpc.aio.secure_channel(self.config.router, creds, options=options)
+        return grpc.aio.insecure_channel(self.config.router, options=options)
+
+    def _expire_if_leases_lapsed(self) -> None:
+        """Away longer than a lease: the router has re-queued our work; drop it here."""
+        if self._disconnected_at and time.monotonic() - self._disconnected_at > self._lease_ttl_s:
+            for rid in list(self.book.live):
+                self.engine_loop.submit(AbortRequest(rid))
+                self.book.dropped(rid)
+            self._check_drained()
+
+    # ---- one router session ----
+    async def _session(self, channel) -> None:
+        call = replica_pb2_grpc.ReplicaGatewayStub(channel).Connect()
+        await call.write(pb.ReplicaMessage(register=pb.Register(
+            replica_id=self.config.replica_id,
+            model=self.config.model_name,
+            capacity=self.capacity_msg,
+            scheduler=self.config.scheduler,
+            auth_token=self.config.auth_token,
+            held_request_ids=list(self.book.live),
+        )))
+        first = await call.read()
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "registered":
+            await self._raise_registration_failure(call)
+        await self._on_registered(call, first.registered)
+        heartbeat = asyncio.create_task(self._heartbeats(call))
+        try:
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    return
+                await self._on_router_message(msg)
+                if self._done.is_set():
+                    await call.done_writing()
+                    return
+        finally:
+            heartbeat.cancel()
+
+    async def _raise_registration_failure(self, call) -> None:
+        code = await call.code()
+        details = await call.details()
+        if code in FATAL_CODES:
+            raise FatalRegistrationError(f"router refused registration: {code.name}: {details}")
+        raise ConnectionError(f"registration failed: {code}: {details}")
+
+    async def _on_registered(self, call, reg: pb.Registered) -> None:
+        self._lease_ttl_s = reg.lease_ttl_s or self._lease_ttl_s
+        self._heartbeat_s = reg.heartbeat_interval_s or self._heartbeat_s
+        self._disconnected_at = None
+        resend, abort = self.book.replay(set(reg.keep_request_ids))
+        for rid in abort:
+            self.engine_loop.submit(AbortRequest(rid))
+        self._call = call
+        if resend:
+            await call.write(pb.ReplicaMessage(step=pb.StepOutputs(deltas=resend)))
+        log.info("registered with router (policy %s); kept %d, dropped %d", reg.policy, len(resend), len(abort))
+        self._check_drained()
+        self.engine_loop.request_report()  # fresh capacity -> first Pull of this session
+
+    async def _on_router_message(self, msg: pb.RouterMessage) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "assign":
+            await self._on_assign(msg.assign.assignments)
+        elif kind == "cancel":
+            for rid in msg.cancel.request_ids:
+                if rid in self.book.live:
+                    self.engine_loop.submit(AbortRequest(rid))
+                    self.book.dropped(rid)
+            self._check_drained()
+        elif kind == "drain":
+            self.begin_drain()
+
+    async def _on_assign(self, assignments) -> None:
+        rejected = []
+        tokens = 0
+        for a in assignments:
+            context = len(a.prompt_token_ids) + len(a.resume_token_ids)
+            tokens += context
+            try:
+                command = protocol.add_request_from_pb(a)
+            except InvalidRequestError as exc:
+                rejected.append(pb.RequestDelta(
+                    request_id=a.request_id, output_offset=len(a.resume_token_ids),
+                    finish_reason=protocol.FINISH_REASONS["error"], error=str(exc)))
+                continue
+            self.book.assigned(a.request_id, context)
+            self.engine_loop.submit(command)
+        self.credit.on_assigned(len(assignments), tokens)
+        if rejected and self._call is not None:
+            await self._call.write(pb.ReplicaMessage(step=pb.StepOutputs(deltas=rejected)))
+
+    async def _heartbeats(self, call) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            load = self._last_report.load if self._last_report else None
+            await call.write(pb.ReplicaMessage(heartbeat=pb.Heartbeat(
+                running=load.running if load else 0,
+                waiting=load.waiting if load else 0,
+                free_kv_blocks=load.free_kv_blocks if load else 0,
+                total_kv_blocks=load.total_kv_blocks if load else 0,
+                request_ids=list(self.book.live),
+            )))
+            if self.draining and time.monotonic() > self._drain_deadline:
+                await self._hand_back_all(call)
+            elif self._call is None:
+                self._expire_if_leases_lapsed()
+
+    async def _hand_back_all(self, call) -> None:
+        ids = list(self.book.live)
+        for rid in ids:
+            self.engine_loop.submit(AbortRequest(rid))
+            self.book.dropped(rid)
+        if ids:
+            log.info("drain timeout: handing back %d requests", len(ids))
+            await call.write(pb.ReplicaMessage(hand_back=pb.HandBack(request_ids=ids)))
+        self._check_drained()
+        if self._done.is_set():
+            await call.done_writing()
+
+    # ---- engine reports -> StepOutputs and Pull ----
+    async def _pump_reports(self) -> None:
+        while True:
+            report = await self._reports.get()
+            self._last_report = report
+            try:
+                await self._send_report(report)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+                log.debug("report not sent (stream closing): %s", exc)
+            self._check_drained()
+
+    async def _send_report(self, report: EngineReport) -> None:
+        res = report.result
+        self.book.engine_holds(report.request_ids)
+        deltas = []
+        for d in res.deltas:
+            msg = protocol.delta_to_pb(d, self.book.first_scheduled_sent(d.request_id))
+            if self.book.record(msg):
+                deltas.append(msg)
+        call = self._call
+        if call is None:
+            return
+        if deltas:
+            await call.write(pb.ReplicaMessage(step=pb.StepOutputs(
+                step_id=report.step_id, deltas=deltas, batch_size=res.batch_size,
+                num_tokens=res.num_tokens, step_time_s=res.step_time,
+                free_kv_blocks=report.load.free_kv_blocks)))
+        if not self.draining:
+            grant = self.credit.grant(report.capacity, len(self.book.queued), self.book.queued_tokens)
+            if grant:
+                await call.write(pb.ReplicaMessage(pull=pb.Pull(max_requests=grant[0], max_prompt_tokens=grant[1])))

@@ -1,0 +1,85 @@
+"""Replica worker settings: a frozen dataclass, from flags or QUADRIGA_* environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass
+
+from replica_worker.engine.config import SCHEDULER_NAMES
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    router: str                      # HOST:PORT of the router's gRPC port
+    model: str                       # local Hugging Face folder
+    replica_id: str
+    model_name: str                  # what the router matches requests against
+    device: str = "cpu"
+    scheduler: str = "sarathi"
+    auth_token: str = ""             # shared replica token, when the router requires one
+    tls_ca_file: str = ""            # dial with TLS, trusting this CA bundle
+    prefetch: int = 2
+    reconnect_min_s: float = 0.2
+    reconnect_max_s: float = 5.0
+    drain_timeout_s: float = 30.0    # on SIGTERM: finish running work for this long, then hand back
+    engine_args: tuple[tuple[str, object], ...] = ()
+
+    def __post_init__(self) -> None:
+        if ":" not in self.router:
+            raise ValueError(f"--router must be HOST:PORT, got {self.router!r}")
+        if self.scheduler not in SCHEDULER_NAMES:
+            raise ValueError(f"--scheduler must be one of {SCHEDULER_NAMES}")
+        if self.prefetch < 0 or self.drain_timeout_s < 0:
+            raise ValueError("prefetch and drain timeout must be non-negative")
+
+
+def _env(name: str, default=None):
+    return os.environ.get(f"QUADRIGA_{name}", default)
+
+
+def parse_args(argv: list[str] | None = None) -> WorkerConfig:
+    """Flags win over environment variables, which win over defaults."""
+    p = argparse.ArgumentParser(prog="python -m replica_worker", description="Quadriga replica worker")
+    p.add_argument("--router", default=_env("ROUTER_ADDRESS", "127.0.0.1:50051"))
+    p.add_argument("--model", default=_env("MODEL"), required=_env("MODEL") is None)
+    p.add_argument("--model-name", default=_env("MODEL_NAME"), help="default: the model folder's name")
+    p.add_argument("--replica-id", default=_env("REPLICA_ID"), help="default: hostname-pid")
+    p.add_argument("--device", default=_env("DEVICE", "cpu"))
+    p.add_argument("--scheduler", default=_env("SCHEDULER", "sarathi"), choices=SCHEDULER_NAMES)
+    p.add_argument("--chunk-size", type=int, default=int(_env("CHUNK_SIZE", 512)))
+    p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", 128)))
+    p.add_argument("--num-blocks", type=int, default=_env("NUM_BLOCKS"))
+    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", 16)))
+    p.add_argument("--dtype", default=_env("DTYPE"), help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--load-format", default=_env("LOAD_FORMAT", "auto"), choices=("auto", "dummy"))
+    p.add_argument("--gpu-memory-utilization", type=float, default=float(_env("GPU_MEMORY_UTILIZATION", 0.9)))
+    p.add_argument("--prefetch", type=int, default=int(_env("PREFETCH", 2)))
+    p.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT_S", 30)))
+    p.add_argument("--tls-ca-file", default=_env("TLS_CA_FILE", ""))
+    a = p.parse_args(argv)
+    engine_args = {
+        "chunk_size": a.chunk_size,
+        "max_num_seqs": a.max_num_seqs,
+        "block_size": a.block_size,
+        "load_format": a.load_format,
+        "gpu_memory_utilization": a.gpu_memory_utilization,
+        "dtype": a.dtype or ("float32" if a.device == "cpu" else "bfloat16"),
+    }
+    if a.num_blocks is not None:
+        engine_args["num_blocks"] = int(a.num_blocks)
+    return WorkerConfig(
+        router=a.router,
+        model=a.model,
+        replica_id=a.replica_id or f"{socket.gethostname()}-{os.getpid()}",
+        model_name=a.model_name or os.path.basename(os.path.normpath(a.model)),
+        device=a.device,
+        scheduler=a.scheduler,
+        # Secrets only from the environment, never from argv (visible in ps).
+        auth_token=_env("REPLICA_TOKEN", ""),
+        tls_ca_file=a.tls_ca_file,
+        prefetch=a.prefetch,
+        drain_timeout_s=a.drain_timeout,
+        engine_args=tuple(sorted(engine_args.items())),
+    )

@@ -1,0 +1,143 @@
+"""The engine's own thread: steps as soon as there is work, blocks when idle.
+
+gRPC I/O and protobuf work stay on the asyncio side, so they overlap with
+compute. Commands come in through a thread-safe inbox; each step's result
+goes out through a callback that must be thread-safe (the worker hands it
+to its event loop with call_soon_threadsafe).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from replica_worker.engine.core import EngineCore
+from replica_worker.engine.errors import InvalidRequestError
+from replica_worker.engine.outputs import EngineLoad, RequestDelta, StepResult
+from replica_worker.engine.sampling_params import SamplingParams
+from replica_worker.engine.schedulers.base import AdmissionCapacity
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float | None = None
+    resume_token_ids: tuple[int, ...] = ()
+    resume_text_len: int | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ReportNow:
+    """Asks for a report even when idle (a new router session needs the capacity)."""
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """What the worker learns after each engine iteration."""
+
+    result: StepResult
+    capacity: AdmissionCapacity
+    load: EngineLoad
+    request_ids: tuple[str, ...]  # live requests after this step
+    step_id: int = 0
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineCore, on_report: Callable[[EngineReport], None]):
+        self._engine = engine
+        self._on_report = on_report
+        self._inbox: deque = deque()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def request_report(self) -> None:
+        self.submit(ReportNow())
+
+    def submit(self, command: AddRequest | AbortRequest | ReportNow) -> None:
+        with self._wake:
+            self._inbox.append(command)
+            self._wake.notify()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                # Block while idle: no timer puts a floor under token gaps.
+                while not self._stopped and not self._inbox and not self._engine.has_unfinished():
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                commands = list(self._inbox)
+                self._inbox.clear()
+            try:
+                self._iterate(commands)
+            except Exception:  # a broken step must not kill the thread silently
+                log.exception("engine step failed; failing its requests")
+                self._fail_all("engine step failed")
+
+    def _iterate(self, commands: list) -> None:
+        rejected = [d for d in (self._apply(c) for c in commands) if d is not None]
+        result = self._engine.step() if self._engine.has_unfinished() else StepResult(deltas=[])
+        result.deltas[:0] = rejected
+        self._report(result)
+
+    def _apply(self, command) -> RequestDelta | None:
+        if isinstance(command, ReportNow):
+            return None
+        if isinstance(command, AbortRequest):
+            self._engine.abort_request(command.request_id)
+            return None
+        try:
+            self._engine.add_request(
+                command.request_id,
+                command.prompt_token_ids,
+                command.params,
+                arrival_time=command.arrival_time,
+                resume_token_ids=list(command.resume_token_ids),
+                resume_text_len=command.resume_text_len,
+            )
+        except InvalidRequestError as exc:
+            return RequestDelta(
+                command.request_id, [], "", len(command.resume_token_ids),
+                finish_reason="error", error=str(exc),
+            )
+        return None
+
+    def _report(self, result: StepResult) -> None:
+        self._on_report(EngineReport(
+            result=result,
+            capacity=self._engine.admission_capacity(),
+            load=self._engine.load(),
+            request_ids=tuple(self._engine.request_ids()),
+            step_id=self._engine.step_id,
+        ))
+
+    def _fail_all(self, reason: str) -> None:
+        deltas = []
+        for rid in self._engine.request_ids():
+            offset = self._engine.scheduler.get_seq(rid).num_output_tokens
+            self._engine.abort_request(rid)
+            deltas.append(RequestDelta(rid, [], "", offset, finish_reason="error", error=reason))
+        self._report(StepResult(deltas=deltas))
