@@ -148,6 +148,36 @@ def test_random_workload_completes_without_leaks(name, num_blocks):
 
 
 @pytest.mark.parametrize("name", ALL)
+def test_randomized_configs_with_aborts_never_leak_or_stall(name):
+    rng = random.Random(99)
+    for _ in range(15):
+        sched = sched_of(
+            name, num_blocks=rng.choice([24, 40, 256]), watermark=rng.choice([0.0, 0.1]),
+            chunk_size=rng.choice([8, 32]), max_num_seqs=rng.choice([1, 4, 16]),
+        )
+        arrivals = random_workload(rng, rng.randint(1, 25), max_prompt=rng.choice([20, 90]))
+        trace = Trace()
+        for step in range(5000):
+            for seq in arrivals.get(step, []):
+                sched.add_seq(seq)
+            if rng.random() < 0.02 and sched.has_unfinished:
+                victim = rng.choice(sched.running + sched.waiting)
+                assert sched.abort_seq(victim.seq_id) is victim and victim.block_ids == []
+            if not sched.has_unfinished and step > max(arrivals):
+                break
+            out = sched.schedule()
+            check_invariants(sched, out)
+            advance(sched, out, trace)
+        assert_drained(sched)
+        for seq in (s for batch in arrivals.values() for s in batch):
+            if seq.status is SequenceStatus.FINISHED_IGNORED:  # only what the engine would refuse
+                longest = min(MAX_MODEL_LEN, seq.num_prompt_tokens + seq.sampling_params.max_tokens)
+                assert not sched.can_ever_fit(longest)
+            else:
+                assert seq.status in (SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+
+
+@pytest.mark.parametrize("name", ALL)
 def test_first_scheduled_in_arrival_order(name):
     seqs = [seq_of(f"s{i}", 20 + 7 * (i % 3), max_tokens=4) for i in range(12)]
     sched = sched_of(name, num_blocks=64)
