@@ -1,0 +1,1 @@
+"""Quadriga router: client API, replica registry, global scheduling over a Redis queue."""

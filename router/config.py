@@ -1,0 +1,108 @@
+"""Router settings: one frozen, validated dataclass, built from the command line and
+environment variables. This is the only place the router reads its environment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Mapping, Sequence
+
+ENV_PREFIX = "QUADRIGA_"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str
+    port: int = 50051
+    host: str = "0.0.0.0"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "quadriga:"
+    policy: str = "pull"
+    model_name: str = ""
+    metrics_port: int = 0              # 0: no metrics HTTP endpoint
+    queue_limit: int = 10_000          # queued (not yet assigned) requests
+    no_replica_timeout: float = 30.0   # seconds a request waits for a first replica
+    lease_ttl: float = 10.0
+    heartbeat_interval: float = 2.0
+    replica_token: str = ""
+    stream_interval: int = 1           # used when a request asks for 0
+    result_ttl: float = 300.0          # finished results stay in Redis this long
+    register_timeout: float = 10.0
+    tokenizer_threads: int = 2
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        from router.policies import POLICIES
+
+        problems = []
+        if not self.model:
+            problems.append("model: a model folder is required (--model / QUADRIGA_MODEL)")
+        elif not (Path(self.model) / "config.json").exists():
+            problems.append(f"model: {self.model} has no config.json")
+        if not 0 <= self.port < 65536:
+            problems.append(f"port: {self.port} is not a TCP port")
+        if not 0 <= self.metrics_port < 65536:
+            problems.append(f"metrics_port: {self.metrics_port} is not a TCP port")
+        if self.policy not in POLICIES:
+            problems.append(f"policy: {self.policy!r} is not one of {sorted(POLICIES)}")
+        if self.queue_limit < 1:
+            problems.append("queue_limit must be at least 1")
+        for name in ("no_replica_timeout", "lease_ttl", "heartbeat_interval", "result_ttl",
+                     "register_timeout"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be positive")
+        if self.heartbeat_interval >= self.lease_ttl:
+            problems.append("heartbeat_interval must be shorter than lease_ttl")
+        if not 1 <= self.stream_interval <= 4096:
+            problems.append("stream_interval must lie in [1, 4096]")
+        if self.tokenizer_threads < 1:
+            problems.append("tokenizer_threads must be at least 1")
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            problems.append(f"redis_url: {self.redis_url!r} is not a redis:// URL")
+        if problems:
+            raise ValueError("invalid router config: " + "; ".join(problems))
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or Path(self.model).name
+
+
+def _env_name(field_name: str) -> str:
+    special = {"port": "ROUTER_PORT", "host": "ROUTER_HOST", "model": "MODEL",
+               "redis_url": "REDIS_URL", "redis_prefix": "REDIS_PREFIX"}
+    return ENV_PREFIX + special.get(field_name, "ROUTER_" + field_name.upper())
+
+
+def env_names() -> dict[str, str]:
+    """Field name -> environment variable, for the docs and --help."""
+    return {f.name: _env_name(f.name) for f in fields(RouterConfig)}
+
+
+def load_config(argv: Sequence[str] | None = None,
+                environ: Mapping[str, str] | None = None) -> RouterConfig:
+    """Command-line flags win over environment variables, which win over defaults."""
+    environ = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(prog="python -m router", description="Quadriga router")
+    for f in fields(RouterConfig):
+        env = _env_name(f.name)
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind,
+                            default=None, help=f"env {env}")
+    args = parser.parse_args(argv)
+    values = {}
+    for f in fields(RouterConfig):
+        value = getattr(args, f.name)
+        if value is None and _env_name(f.name) in environ:
+            raw = environ[_env_name(f.name)]
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            try:
+                value = kind(raw)
+            except ValueError:
+                raise ValueError(f"{_env_name(f.name)}={raw!r} is not a valid {kind.__name__}")
+        if value is not None:
+            values[f.name] = value
+    if "model" not in values:
+        values["model"] = ""
+    return RouterConfig(**values)

@@ -1,0 +1,110 @@
+"""Lua scripts: every multi-key transition of a request is one atomic script.
+
+Keys are built inside the scripts from the prefix (ARGV[1]), so the router
+needs a single (non-cluster) Redis. Key layout: see router/store.py.
+"""
+
+# KEYS: req hash, queue zset, seq counter.
+# ARGV: prefix, id, digest, assignment, prompt_len, max_tokens, priority, arrival,
+#       arrival_us, stream_interval, queue name
+# -> {1, member} when stored, {0, digest, state} when the id already exists.
+SUBMIT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {0, redis.call('HGET', KEYS[1], 'd') or '', redis.call('HGET', KEYS[1], 'st') or ''}
+end
+local seq = redis.call('INCR', KEYS[3])
+local member = string.format('%016d%012d:', tonumber(ARGV[9]), seq) .. ARGV[2]
+redis.call('HSET', KEYS[1], 'd', ARGV[3], 'a', ARGV[4], 'pl', ARGV[5], 'mt', ARGV[6],
+  'pr', ARGV[7], 'at', ARGV[8], 'si', ARGV[10], 'q', ARGV[11], 'm', member,
+  'seq', seq, 'st', 'q', 'rq', 0)
+redis.call('ZADD', KEYS[2], -tonumber(ARGV[7]), member)
+return {1, member}
+"""
+
+# Atomic peek-check-pop. KEYS: queue zset, inflight zset.
+# ARGV: prefix, replica, max_requests, max_prompt_tokens (0: no limit), lease expiry, now
+# Takes from the head while the request fits; stops at the first that does not
+# (head-of-line: arrival order holds). Cost = prompt + output so far (recomputed).
+POP = """
+local prefix, replica = ARGV[1], ARGV[2]
+local n, budget = tonumber(ARGV[3]), tonumber(ARGV[4])
+local limited = budget > 0
+local taken = {}
+if n <= 0 then return taken end
+local heads = redis.call('ZRANGE', KEYS[1], 0, n - 1)
+for _, m in ipairs(heads) do
+  local id = string.sub(m, 30)
+  local h = prefix .. 'req:' .. id
+  local pl = redis.call('HGET', h, 'pl')
+  if not pl then
+    redis.call('ZREM', KEYS[1], m)
+  else
+    local cost = tonumber(pl) + math.floor(redis.call('STRLEN', prefix .. 'out:' .. id) / 4)
+    if limited and cost > budget then break end
+    budget = budget - cost
+    redis.call('ZREM', KEYS[1], m)
+    redis.call('ZADD', KEYS[2], ARGV[5], id)
+    redis.call('HSET', h, 'st', 'r', 'o', replica, 'q', '', 'asg', ARGV[6])
+    taken[#taken + 1] = id
+  end
+end
+return taken
+"""
+
+# Back to the FRONT of a queue: same score and member as at arrival.
+# ARGV: prefix, expected owner ('' = any), then (id, queue name) pairs -> list of 0/1.
+REQUEUE = """
+local prefix, owner = ARGV[1], ARGV[2]
+local result = {}
+for i = 3, #ARGV, 2 do
+  local id, qname = ARGV[i], ARGV[i + 1]
+  local h = prefix .. 'req:' .. id
+  local ok = 0
+  if redis.call('HGET', h, 'st') == 'r' and (owner == '' or redis.call('HGET', h, 'o') == owner) then
+    redis.call('ZREM', prefix .. 'inflight', id)
+    redis.call('ZADD', prefix .. 'q:' .. qname, -tonumber(redis.call('HGET', h, 'pr')),
+      redis.call('HGET', h, 'm'))
+    redis.call('HSET', h, 'st', 'q', 'o', '', 'q', qname)
+    redis.call('HINCRBY', h, 'rq', 1)
+    ok = 1
+  end
+  result[#result + 1] = ok
+end
+return result
+"""
+
+# Moves queued requests to another queue (a gone replica's set is redistributed).
+# ARGV: prefix, then (id, queue name) pairs -> list of 0/1.
+MOVE = """
+local prefix = ARGV[1]
+local result = {}
+for i = 2, #ARGV, 2 do
+  local id, dst = ARGV[i], ARGV[i + 1]
+  local h = prefix .. 'req:' .. id
+  local ok = 0
+  if redis.call('HGET', h, 'st') == 'q' then
+    local m = redis.call('HGET', h, 'm')
+    redis.call('ZREM', prefix .. 'q:' .. redis.call('HGET', h, 'q'), m)
+    redis.call('ZADD', prefix .. 'q:' .. dst, -tonumber(redis.call('HGET', h, 'pr')), m)
+    redis.call('HSET', h, 'q', dst)
+    ok = 1
+  end
+  result[#result + 1] = ok
+end
+return result
+"""
+
+# Removes a still-queued request and records it finished.
+# ARGV: prefix, id, now, ttl seconds, finish reason, error -> 1 removed, 0 not queued.
+CANCEL_QUEUED = """
+local prefix, id = ARGV[1], ARGV[2]
+local h = prefix .. 'req:' .. id
+if redis.call('HGET', h, 'st') ~= 'q' then return 0 end
+redis.call('ZREM', prefix .. 'q:' .. redis.call('HGET', h, 'q'), redis.call('HGET', h, 'm'))
+redis.call('HSET', h, 'st', 'f', 'fr', ARGV[5], 'err', ARGV[6], 'fin', ARGV[3], 'q', '')
+local ttl = tonumber(ARGV[4])
+redis.call('EXPIRE', h, ttl)
+redis.call('EXPIRE', prefix .. 'out:' .. id, ttl)
+redis.call('EXPIRE', prefix .. 'txt:' .. id, ttl)
+return 1
+"""

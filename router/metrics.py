@@ -1,0 +1,53 @@
+"""Prometheus metrics of the router, prefix quadriga_. One registry per router,
+so several routers can live in one process (tests)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TBT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.queue_depth = Gauge("quadriga_queue_depth", "Requests queued, not yet assigned", registry=r)
+        self.inflight = Gauge("quadriga_inflight_requests", "Requests running per replica",
+                              ["replica"], registry=r)
+        self.replicas = Gauge("quadriga_replicas_connected", "Connected replicas", registry=r)
+        self.queue_wait = Histogram("quadriga_queue_wait_seconds", "Accepted to assigned",
+                                    buckets=_LATENCY, registry=r)
+        self.ttft = Histogram("quadriga_ttft_seconds", "Accepted to first token",
+                              buckets=_LATENCY, registry=r)
+        self.tbt = Histogram("quadriga_tbt_seconds", "Gap between token deliveries per request",
+                             buckets=_TBT, registry=r)
+        self.e2e = Histogram("quadriga_e2e_seconds", "Accepted to finished",
+                             buckets=_LATENCY, registry=r)
+        self.requests = Counter("quadriga_requests_total", "Finished requests by finish reason",
+                                ["reason"], registry=r)
+        self.accepted = Counter("quadriga_requests_accepted_total", "Accepted requests", registry=r)
+        self.requeues = Counter("quadriga_requeues_total", "Requests moved back to a queue",
+                                ["reason"], registry=r)
+        self.cancellations = Counter("quadriga_cancellations_total", "Cancelled requests",
+                                     ["source"], registry=r)
+        self.rejections = Counter("quadriga_rejections_total", "Rejected requests by reason",
+                                  ["reason"], registry=r)
+        self.replica_faults = Counter("quadriga_replica_faults_total",
+                                      "Replica streams dropped for a protocol violation", registry=r)
+        self.messages_in = Counter("quadriga_messages_in_total", "Messages from replicas",
+                                   ["kind"], registry=r)
+        self.messages_out = Counter("quadriga_messages_out_total", "Messages to replicas",
+                                    ["kind"], registry=r)
+        self.client_messages = Counter("quadriga_client_messages_total",
+                                       "GenerateResponse messages sent to clients", registry=r)
+        self.redis_round_trips = Counter("quadriga_redis_round_trips_total",
+                                         "Redis round trips", registry=r)
+        self._last_round_trips = 0
+
+    def sync_round_trips(self, total: int) -> None:
+        self.redis_round_trips.inc(total - self._last_round_trips)
+        self._last_round_trips = total
+
+    def serve(self, port: int, addr: str = "0.0.0.0"):
+        return start_http_server(port, addr=addr, registry=self.registry)

@@ -1,0 +1,16 @@
+"""Each request goes at arrival to the live replica with the fewest outstanding
+tokens (queued plus running, prompt plus max output each)."""
+
+from __future__ import annotations
+
+from router.policies.base import Policy
+
+
+class LeastOutstandingPolicy(Policy):
+    name = "least_outstanding"
+    per_replica_queues = True
+
+    def select(self, request, live):
+        if not live:
+            return None
+        return min(live, key=lambda r: (r.load_tokens, r.join_seq))

@@ -1,0 +1,111 @@
+"""ReplicaGateway servicer: one bidirectional Connect stream per replica.
+
+The first message must be Register; after that Pull, Heartbeat, StepOutputs
+and HandBack in any order. Any protocol violation drops the stream (the
+replica sees FAILED_PRECONDITION with the reason) and requeues its work; the
+router itself carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+import grpc
+
+from common.pb.quadriga.v1 import replica_pb2 as rpb
+from common.pb.quadriga.v1 import replica_pb2_grpc
+from router.registry import ReplicaSession
+from router.replica_ops import ReplicaFault, ReplicaOps
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
+    def __init__(self, core, ops: ReplicaOps):
+        self.core = core
+        self.ops = ops
+        self.config = core.config
+        kinds = ("register", "pull", "heartbeat", "step", "hand_back", "none")
+        self._in = {k: core.metrics.messages_in.labels(k) for k in kinds}
+
+    async def _register(self, it, context) -> rpb.Register:
+        try:
+            first = await asyncio.wait_for(it.__anext__(), self.config.register_timeout)
+        except (StopAsyncIteration, asyncio.TimeoutError):
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no Register within {self.config.register_timeout:g} s")
+        if first.WhichOneof("kind") != "register":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "the first message on Connect must be Register")
+        reg = first.register
+        self._in["register"].inc()
+        token = self.config.replica_token
+        if token and not hmac.compare_digest(reg.auth_token.encode(), token.encode()):
+            self.core.metrics.rejections.labels("replica_auth").inc()
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "replica auth_token is missing or wrong (router requires "
+                                "QUADRIGA_ROUTER_REPLICA_TOKEN)")
+        if not reg.replica_id or not reg.replica_id.isprintable() or len(reg.replica_id) > 200:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "Register.replica_id must be non-empty printable text")
+        return reg
+
+    async def Connect(self, request_iterator, context):
+        it = request_iterator.__aiter__()
+        reg = await self._register(it, context)
+        session = ReplicaSession(reg.replica_id, reg, self.core.metrics)
+        keep = await self.ops.join(session, list(reg.held_request_ids))
+        log.info("replica %s joined (model %s, keeps %d)", session.id, reg.model, len(keep))
+        session.send(rpb.RouterMessage(registered=rpb.Registered(
+            heartbeat_interval_s=self.config.heartbeat_interval, lease_ttl_s=self.config.lease_ttl,
+            policy=self.config.policy, keep_request_ids=keep)))
+        reader = asyncio.get_running_loop().create_task(self._read(it, session))
+        try:
+            while True:
+                msg = await session.outbox.get()
+                if msg is None:
+                    break
+                yield msg
+        finally:
+            reader.cancel()
+            # Requeueing must finish even when this handler is being cancelled.
+            self.core.spawn(self.ops.leave(session, "replica_gone"))
+        if session.close_status is not None:
+            await context.abort(*session.close_status)
+
+    async def _read(self, it, session: ReplicaSession) -> None:
+        ops = self.ops
+        try:
+            async for msg in it:
+                session.last_seen = time.monotonic()
+                kind = msg.WhichOneof("kind")
+                self._in[kind or "none"].inc()
+                if kind == "step":
+                    await ops.on_step(session, msg.step)
+                elif kind == "pull":
+                    ops.on_pull(session, msg.pull)
+                elif kind == "heartbeat":
+                    pass  # last_seen above renews every lease this replica holds
+                elif kind == "hand_back":
+                    await ops.on_hand_back(session, msg.hand_back)
+                elif kind == "register":
+                    raise ReplicaFault("Register sent twice on one stream")
+                else:
+                    raise ReplicaFault("message with no kind set")
+            session.close(None)
+        except ReplicaFault as fault:
+            log.warning("dropping replica %s: %s", session.id, fault)
+            self.core.metrics.replica_faults.inc()
+            session.close(grpc.StatusCode.FAILED_PRECONDITION, f"protocol violation: {fault}")
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            log.info("replica %s stream ended: %s", session.id, exc.code())
+            session.close(None)
+        except Exception as exc:
+            log.exception("replica %s: unexpected error", session.id)
+            session.close(grpc.StatusCode.INTERNAL, f"router error: {exc}")
+        await self.ops.leave(session, "replica_gone")

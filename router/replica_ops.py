@@ -1,0 +1,161 @@
+"""What the router does with each replica message: registration, Pull, step
+outputs (the per-token hot path), hand back, and a replica's departure."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from common.pb.quadriga.v1 import generation_pb2 as gpb
+from common.pb.quadriga.v1 import replica_pb2 as rpb
+from router.policies import PENDING, replica_queue
+from router.requests import Phase
+
+if TYPE_CHECKING:
+    from router.core import RouterCore
+    from router.registry import ReplicaSession
+
+
+class ReplicaFault(Exception):
+    """A protocol violation: the replica is dropped and its work requeued."""
+
+
+class ReplicaOps:
+    def __init__(self, core: "RouterCore"):
+        self.core = core
+
+    # ---- membership ----
+    async def join(self, session: "ReplicaSession", held: list[str]) -> list[str]:
+        """Registers the session; returns the held requests it keeps running."""
+        core = self.core
+        old = core.registry.add(session)
+        keep = [rid for rid in dict.fromkeys(held) if self._adopt(session, old, rid)]
+        lost = [rid for rid, (owner, _) in core.orphans.items() if owner == session.id]
+        await core.requeue_orphans(lost)  # it re-registered without them: they are gone
+        if old is not None:
+            old.close(None)
+            await self.leave(old, "replaced")
+        core.metrics.replicas.set(len(core.registry))
+        core.policy.on_replica_joined(session)
+        if core.policy.per_replica_queues:
+            await core.redistribute(PENDING)
+        core.dispatcher.kick()
+        return keep
+
+    def _adopt(self, session, old, rid: str) -> bool:
+        core = self.core
+        req = core.requests.get(rid)
+        if req is None or req.phase is not Phase.RUNNING:
+            return False
+        if req.owner is None:
+            orphan = core.orphans.get(rid)
+            if orphan is None or orphan[0] != session.id:
+                return False
+            del core.orphans[rid]
+        elif old is None or req.owner is not old:
+            return False
+        else:
+            old.owned.pop(rid, None)
+            core.metrics.inflight.labels(old.id).dec()
+        req.owner = session
+        session.owned[rid] = req
+        core.metrics.inflight.labels(session.id).inc()
+        return True
+
+    async def leave(self, session: "ReplicaSession", reason: str) -> None:
+        if session.gone:
+            return
+        session.gone = True
+        session.close(None)
+        core = self.core
+        removed = core.registry.remove(session)
+        await core.requeue_owned(session, list(session.owned.values()), reason)
+        core.metrics.replicas.set(len(core.registry))
+        core.policy.on_replica_left(session)
+        if removed and core.policy.per_replica_queues:
+            await core.redistribute(replica_queue(session.id), exclude=session)
+
+    async def drain(self, replica_id: str) -> bool:
+        """Asks a replica to stop taking work (scale-in); its queue moves elsewhere."""
+        session = self.core.registry.get(replica_id)
+        if session is None:
+            return False
+        session.draining = True
+        session.send(rpb.RouterMessage(drain=rpb.Drain()))
+        if self.core.policy.per_replica_queues:
+            await self.core.redistribute(replica_queue(replica_id), exclude=session)
+        return True
+
+    # ---- messages ----
+    def on_pull(self, session: "ReplicaSession", pull: rpb.Pull) -> None:
+        # A Pull states the room the replica has now and replaces any earlier one.
+        session.pull_requests = pull.max_requests
+        session.pull_tokens = pull.max_prompt_tokens
+        session.pull_unlimited_tokens = pull.max_prompt_tokens == 0
+        session.pull_at = time.monotonic()
+        self.core.policy.on_pull(session)
+        self.core.dispatcher.kick()
+
+    async def on_hand_back(self, session: "ReplicaSession", msg: rpb.HandBack) -> None:
+        reqs = [session.owned[r] for r in msg.request_ids if r in session.owned]
+        await self.core.requeue_owned(session, reqs, "hand_back")
+
+    def check_step(self, session: "ReplicaSession", step: rpb.StepOutputs) -> list:
+        """Validates a whole StepOutputs before any of it is applied."""
+        vocab = self.core.limits.vocab_size
+        next_offset: dict[str, int | None] = {}
+        items = []
+        for d in step.deltas:
+            rid = d.request_id
+            req = session.owned.get(rid)
+            if req is None:
+                if rid in session.released:
+                    continue  # cancelled by the router; the replica had not seen it yet
+                raise ReplicaFault(f"delta for request {rid!r}, which is not assigned to this replica")
+            expected = next_offset.get(rid, len(req.tokens))
+            if expected is None:
+                raise ReplicaFault(f"delta for request {rid!r} after its finish")
+            if d.output_offset != expected:
+                raise ReplicaFault(f"request {rid!r}: output_offset {d.output_offset}, expected "
+                                   f"{expected} (a gap or a duplicate)")
+            if d.token_ids and max(d.token_ids) >= vocab:
+                raise ReplicaFault(f"request {rid!r}: token id {max(d.token_ids)} >= vocab {vocab}")
+            end = expected + len(d.token_ids)
+            if end > req.max_tokens:
+                raise ReplicaFault(f"request {rid!r}: {end} tokens, more than max_tokens {req.max_tokens}")
+            finished = d.HasField("finish_reason")
+            if finished and d.finish_reason == gpb.FINISH_REASON_UNSPECIFIED:
+                raise ReplicaFault(f"request {rid!r}: finish_reason UNSPECIFIED")
+            next_offset[rid] = None if finished else end
+            items.append((req, d))
+        return items
+
+    async def on_step(self, session: "ReplicaSession", step: rpb.StepOutputs) -> None:
+        items = self.check_step(session, step)
+        if not items:
+            return
+        core, store, metrics = self.core, self.core.store, self.core.metrics
+        now = time.time()
+        pipe = store.pipeline()
+        for req, d in items:
+            if d.token_ids or d.text:
+                store.add_output(pipe, req.id, d.token_ids, d.text)
+            if d.token_ids:
+                if req.first_token_at:
+                    metrics.tbt.observe(now - req.last_token_at)
+                else:
+                    metrics.ttft.observe(now - req.arrival)
+                    store.add_fields(pipe, req.id, {"ft": repr(now)})
+            req.append(d.token_ids, d.text, now)
+            if d.first_scheduled_at and not req.first_scheduled_at:
+                req.first_scheduled_at = d.first_scheduled_at
+                store.add_fields(pipe, req.id, {"fs": repr(d.first_scheduled_at)})
+            if d.preemptions:
+                req.preemptions = req.preemption_base + d.preemptions
+            if d.HasField("finish_reason"):
+                req.replica_id = session.id
+                core.finish_local(req, d.finish_reason, d.error)
+                store.add_finish(pipe, req.id, core.finish_fields(req))
+        await store.execute(pipe)  # durable before any client sees it
+        for req, _ in items:
+            req.notify()

@@ -1,0 +1,295 @@
+"""A scripted replica: a real gRPC client of the ReplicaGateway API that emits
+tokens by a fixed rule instead of running a model.
+
+Output token i of a request = (sum(prompt_token_ids) + i) % vocab; text is
+f"<{token}>". It finishes with LENGTH after max_tokens and honours
+resume_token_ids by continuing the rule from len(resume_token_ids).
+
+In-process:   replica = ScriptedReplica("127.0.0.1:PORT", Knobs(replica_id="r0"))
+              task = asyncio.create_task(replica.run())
+Subprocess:   python -m tests.support.scripted_replica --router HOST:PORT --id r0 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.pb.quadriga.v1 import generation_pb2 as gpb
+from common.pb.quadriga.v1 import replica_pb2 as rpb
+from common.pb.quadriga.v1 import replica_pb2_grpc
+
+
+def expected_token(prompt_ids, i: int, vocab: int) -> int:
+    return (sum(prompt_ids) + i) % vocab
+
+
+def expected_tokens(prompt_ids, n: int, vocab: int) -> list[int]:
+    return [expected_token(prompt_ids, i, vocab) for i in range(n)]
+
+
+@dataclass
+class Knobs:
+    replica_id: str = "r0"
+    vocab: int = 512
+    max_model_len: int = 1024
+    capacity: int = 8                 # requests running at once
+    pull_tokens: int = 0              # Pull.max_prompt_tokens (0: no limit)
+    auto_pull: bool = True            # False: only pull() sends Pull
+    step_delay: float = 0.0           # seconds per engine step
+    tokens_per_step: int = 1
+    fail_after_steps: int | None = None   # break the stream abruptly after N steps
+    die: bool = False                 # with fail_after_steps: os._exit (subprocess mode)
+    stop_heartbeats: bool = False
+    garbage: str | None = None        # bad_offset | unowned | empty | register
+    garbage_after_steps: int = 1
+    auth_token: str = ""
+    reconnect: bool = False           # re-dial with held_request_ids when the stream breaks
+    hold_on_finish: bool = False      # keep requests but never finish (for cancel tests)
+
+
+@dataclass
+class Run:
+    assignment: rpb.Assignment
+    next_index: int
+    max_tokens: int
+    sum_prompt: int = 0
+
+
+@dataclass
+class Record:
+    assignments: list = field(default_factory=list)   # every Assignment received
+    cancels: list = field(default_factory=list)
+    pulls: list = field(default_factory=list)         # (max_requests, max_prompt_tokens)
+    registered: list = field(default_factory=list)
+    drained: bool = False
+    errors: list = field(default_factory=list)        # status codes the stream ended with
+
+
+class ScriptedReplica:
+    def __init__(self, target: str, knobs: Knobs | None = None):
+        self.target = target
+        self.knobs = knobs or Knobs()
+        self.rec = Record()
+        self.running: dict[str, Run] = {}
+        self.waiting: dict[str, Run] = {}
+        self.steps = 0
+        self._outstanding = 0
+        self._out: asyncio.Queue | None = None
+        self._work = asyncio.Event()
+        self._draining = False
+        self.connected = asyncio.Event()
+        self._stopped = False
+
+    # ---- public ----
+    async def run(self) -> None:
+        options = [("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
+        async with grpc.aio.insecure_channel(self.target, options=options) as channel:
+            stub = replica_pb2_grpc.ReplicaGatewayStub(channel)
+            while not self._stopped:
+                code = await self._session(stub)
+                self.rec.errors.append(code)
+                if not self.knobs.reconnect or self._stopped:
+                    return
+                await asyncio.sleep(0.2)
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._out is not None:
+            self._out.put_nowait(None)
+
+    def pull(self, max_requests: int, max_prompt_tokens: int = 0) -> None:
+        self.rec.pulls.append((max_requests, max_prompt_tokens))
+        self._send(rpb.ReplicaMessage(pull=rpb.Pull(max_requests=max_requests,
+                                                    max_prompt_tokens=max_prompt_tokens)))
+
+    def hand_back(self, ids) -> None:
+        for rid in ids:
+            self.running.pop(rid, None)
+            self.waiting.pop(rid, None)
+        self._send(rpb.ReplicaMessage(hand_back=rpb.HandBack(request_ids=list(ids))))
+
+    # ---- internals ----
+    def _send(self, msg) -> None:
+        if self._out is not None:
+            self._out.put_nowait(msg)
+
+    async def _outgoing(self):
+        while True:
+            msg = await self._out.get()
+            if msg is None:
+                return
+            yield msg
+
+    async def _session(self, stub):
+        self._out = asyncio.Queue()
+        held = list(self.running) + list(self.waiting)
+        self._send(rpb.ReplicaMessage(register=rpb.Register(
+            replica_id=self.knobs.replica_id, model="tiny", scheduler="scripted",
+            auth_token=self.knobs.auth_token, held_request_ids=held,
+            capacity=rpb.ReplicaCapacity(max_num_seqs=self.knobs.capacity,
+                                         max_model_len=self.knobs.max_model_len))))
+        call = stub.Connect(self._outgoing())
+        tasks = [asyncio.create_task(self._steps(call)), asyncio.create_task(self._heartbeats())]
+        code = grpc.StatusCode.OK
+        try:
+            async for msg in call:
+                self._handle(msg)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            if self._stopped:
+                raise
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.connected.clear()
+        return code
+
+    def _handle(self, msg: rpb.RouterMessage) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "registered":
+            self.rec.registered.append(msg.registered)
+            keep = set(msg.registered.keep_request_ids)
+            for pool in (self.running, self.waiting):
+                for rid in [r for r in pool if r not in keep]:
+                    del pool[rid]
+            self._outstanding = 0
+            self.connected.set()
+            self._maybe_pull()
+        elif kind == "assign":
+            for a in msg.assign.assignments:
+                self.rec.assignments.append(a)
+                mt = a.sampling.max_tokens if a.sampling.HasField("max_tokens") else (
+                    self.knobs.max_model_len - len(a.prompt_token_ids))
+                run = Run(a, len(a.resume_token_ids), mt, sum(a.prompt_token_ids))
+                pool = self.running if len(self.running) < self.knobs.capacity else self.waiting
+                pool[a.request_id] = run
+                self._outstanding -= 1
+            self._work.set()
+        elif kind == "cancel":
+            for rid in msg.cancel.request_ids:
+                self.rec.cancels.append(rid)
+                self.running.pop(rid, None)
+                self.waiting.pop(rid, None)
+            self._maybe_pull()
+        elif kind == "drain":
+            self.rec.drained = True
+            self._draining = True
+            self.hand_back(list(self.running) + list(self.waiting))
+
+    def _maybe_pull(self) -> None:
+        if not self.knobs.auto_pull or self._draining:
+            return
+        room = self.knobs.capacity - len(self.running) - len(self.waiting)
+        if room > max(self._outstanding, 0):
+            self._outstanding = room
+            self.pull(room, self.knobs.pull_tokens)
+
+    async def _heartbeats(self) -> None:
+        await self.connected.wait()
+        interval = self.rec.registered[-1].heartbeat_interval_s or 1.0
+        while not self.knobs.stop_heartbeats:
+            self._send(rpb.ReplicaMessage(heartbeat=rpb.Heartbeat(
+                running=len(self.running), waiting=len(self.waiting),
+                request_ids=list(self.running) + list(self.waiting))))
+            await asyncio.sleep(interval)
+
+    async def _steps(self, call) -> None:
+        k = self.knobs
+        while True:
+            while not self.running:
+                self._work.clear()
+                await self._work.wait()
+            if k.step_delay:
+                await asyncio.sleep(k.step_delay)
+            else:
+                await asyncio.sleep(0)
+            if k.hold_on_finish:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            self._send(rpb.ReplicaMessage(step=self._step()))
+            self.steps += 1
+            self._after_step(call)
+            self._maybe_pull()
+
+    def _step(self) -> rpb.StepOutputs:
+        k = self.knobs
+        step = rpb.StepOutputs(step_id=self.steps, batch_size=len(self.running))
+        for rid, run in list(self.running.items()):
+            n = min(k.tokens_per_step, run.max_tokens - run.next_index)
+            toks = [(run.sum_prompt + run.next_index + j) % k.vocab for j in range(n)]
+            d = step.deltas.add(request_id=rid, token_ids=toks, output_offset=run.next_index,
+                                text="".join(f"<{t}>" for t in toks))
+            run.next_index += n
+            if run.next_index >= run.max_tokens:
+                d.finish_reason = gpb.FINISH_REASON_LENGTH
+                del self.running[rid]
+        while self.waiting and len(self.running) < k.capacity:
+            rid = next(iter(self.waiting))
+            self.running[rid] = self.waiting.pop(rid)
+        step.num_tokens = sum(len(d.token_ids) for d in step.deltas)
+        return step
+
+    def _after_step(self, call) -> None:
+        k = self.knobs
+        if k.garbage and self.steps == k.garbage_after_steps:
+            self._send(self._garbage(k.garbage))
+        if k.fail_after_steps is not None and self.steps >= k.fail_after_steps:
+            if k.die:
+                os._exit(17)
+            call.cancel()
+
+    def _garbage(self, kind: str) -> rpb.ReplicaMessage:
+        if kind == "empty":
+            return rpb.ReplicaMessage()
+        if kind == "register":
+            return rpb.ReplicaMessage(register=rpb.Register(replica_id=self.knobs.replica_id))
+        step = rpb.StepOutputs(step_id=self.steps)
+        if kind == "unowned":
+            step.deltas.add(request_id="not-assigned-here", token_ids=[1], output_offset=0)
+        else:  # bad_offset: skips ahead, as if a step had been lost
+            rid = next(iter(self.running or {r.request_id: 0 for r in self.rec.assignments}))
+            run = self.running.get(rid)
+            step.deltas.add(request_id=rid, token_ids=[1], output_offset=(run.next_index if run else 0) + 5)
+        return rpb.ReplicaMessage(step=step)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--router", required=True, help="HOST:PORT")
+    p.add_argument("--id", default="r0")
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--capacity", type=int, default=8)
+    p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--tokens-per-step", type=int, default=1)
+    p.add_argument("--fail-after-steps", type=int)
+    p.add_argument("--die", action="store_true", help="os._exit instead of a stream break")
+    p.add_argument("--stop-heartbeats", action="store_true")
+    p.add_argument("--garbage")
+    p.add_argument("--auth-token", default="")
+    p.add_argument("--reconnect", action="store_true")
+    a = p.parse_args(argv)
+    knobs = Knobs(replica_id=a.id, vocab=a.vocab, capacity=a.capacity, step_delay=a.step_delay,
+                  tokens_per_step=a.tokens_per_step, fail_after_steps=a.fail_after_steps,
+                  die=a.die, stop_heartbeats=a.stop_heartbeats, garbage=a.garbage,
+                  auth_token=a.auth_token, reconnect=a.reconnect)
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(ScriptedReplica(a.router, knobs).run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
