@@ -226,13 +226,13 @@ class BaseScheduler:
 
     def _schedule_decodes(self, step: _Step) -> list[Sequence]:
         """Gives every decoding running sequence one token, in rank order. When a
-        decode cannot get a KV slot, the lowest-ranked sequence not yet given
-        one is preempted by recompute (possibly the decode itself).
+        decode cannot get a KV slot, the latest arrival not yet given one is
+        preempted by recompute (possibly the decode itself).
 
         Returns the running sequences still in prefill (not scheduled here).
         Afterwards self.running holds the survivors, in rank order."""
         pending = sorted(self.running, key=self._rank_of)
-        pending.reverse()  # pop() takes the highest rank first; pending[0] is the tail
+        pending.reverse()  # pop() yields the earliest arrival; pending[0] is the tail
         kept: list[Sequence] = []
         prefilling: list[Sequence] = []
         while pending:
