@@ -1,0 +1,117 @@
+"""EngineCore behaviour a worker relies on: stop conditions, aborts, seeds, bad input."""
+
+import pytest
+
+from replica_worker import LLM, SamplingParams
+from replica_worker.engine.errors import InvalidRequestError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(str(tiny_model), chunk_size=16, num_blocks=64)
+
+
+def free_all(engine):
+    bm = engine.scheduler.block_manager
+    return bm.num_free_blocks == bm.num_total_blocks
+
+
+def test_stop_token_id_finishes_with_that_token(llm):
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    stop_at = greedy.token_ids[5]
+    first = greedy.token_ids.index(stop_at)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                   stop_token_ids=[stop_at]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == greedy.token_ids[: first + 1]
+
+
+def test_stop_string_truncates_text(llm):
+    greedy = llm.generate(["the model"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    text = greedy.text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop.strip(), "need a visible stop string"
+    out = llm.generate(["the model"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)]
+    assert stop not in out.text
+
+
+def test_eos_stops_unless_ignored(tiny_model_factory):
+    # A model whose greedy output quickly hits EOS: make EOS the first greedy token.
+    path = str(tiny_model_factory("llama"))
+    llm = LLM(path, chunk_size=16)
+    first = llm.generate([[9, 8, 7]], SamplingParams(temperature=0, max_tokens=1))[0].token_ids[0]
+    llm.engine.eos_token_ids = frozenset({first})
+    out = llm.generate([[9, 8, 7]], SamplingParams(temperature=0, max_tokens=10))[0]
+    assert out.token_ids == [first] and out.finish_reason == "stop"
+    out = llm.generate([[9, 8, 7]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"
+
+
+def test_abort_mid_generation_frees_blocks(llm):
+    engine = llm.engine
+    engine.add_request("a", list(range(10, 60)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.add_request("b", [3, 4, 5], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    assert engine.abort_request("a")
+    assert not engine.abort_request("a")
+    while engine.has_unfinished():
+        engine.step()
+    assert free_all(engine)
+
+
+def test_seeded_sampling_ignores_batch_company(llm):
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([[11, 12, 13]], params)[0].token_ids
+    noisy = [SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True)] * 3
+    crowd = llm.generate([[1, 2], [11, 12, 13], list(range(30, 70)), [7]], [noisy[0], params, *noisy[1:]])
+    assert crowd[1].token_ids == alone
+
+
+def test_resumed_request_continues_the_same_tokens(llm):
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True)
+    full = llm.generate([[21, 22, 23, 24]], params)[0].token_ids
+    engine = llm.engine
+    engine.add_request("r", [21, 22, 23, 24], params, resume_token_ids=full[:6])
+    got, offsets = [], []
+    while engine.has_unfinished():
+        for d in engine.step().deltas:
+            got.extend(d.new_token_ids)
+            offsets.append(d.output_offset)
+    assert got == full[6:]
+    assert offsets[0] == 6
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], SamplingParams(), "empty"),
+    (list(range(1, 1025)), SamplingParams(), "model allows"),
+    ([1, 2, 512], SamplingParams(), "outside the vocabulary"),
+    ([1, 2, -1], SamplingParams(), "outside the vocabulary"),
+])
+def test_bad_requests_raise_clear_errors(llm, prompt, params, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.engine.add_request("bad", prompt, params)
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(stop=[""]), "stop"),
+])
+def test_bad_sampling_values(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_request_that_can_never_fit_is_rejected(tiny_model):
+    llm = LLM(str(tiny_model), num_blocks=4, block_size=16)  # 64 tokens of cache in all
+    with pytest.raises(InvalidRequestError, match="never fit"):
+        llm.engine.add_request("big", list(range(3, 60)), SamplingParams(max_tokens=20))
+    out = llm.generate([[3, 4]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8
