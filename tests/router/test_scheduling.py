@@ -1,0 +1,186 @@
+"""Pull, priority, round-robin and least-outstanding placement."""
+
+import asyncio
+
+from common.pb.quadriga.v1 import generation_pb2 as gpb
+from tests.support.router_harness import (Replicas, client, collect, make_config, request,
+                                          running_router, tokens_of)
+from tests.support.scripted_replica import expected_tokens
+
+
+async def wait_until(predicate, timeout: float = 10.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def submit_in_order(app, stub, reqs):
+    """Starts streams one by one, each accepted before the next is sent."""
+    tasks = []
+    for r in reqs:
+        before = app.core.metrics.accepted._value.get()
+        tasks.append(asyncio.create_task(collect(stub, r)))
+        await wait_until(lambda: app.core.metrics.accepted._value.get() > before)
+    return tasks
+
+
+def assigned_ids(replica):
+    return [a.request_id for a in replica.rec.assignments]
+
+
+def test_pull_earliest_first_and_only_what_was_asked(redis_url, tiny_model, arun):
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            vocab = app.core.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            puller = await reps.add("puller", auto_pull=False)
+            idle = await reps.add("idle", auto_pull=False)
+            async with client(app.address) as stub:
+                reqs = [request([i + 1, 2], 3, request_id=f"q{i}") for i in range(5)]
+                tasks = await submit_in_order(app, stub, reqs)
+                puller.pull(2)
+                await wait_until(lambda: len(puller.rec.assignments) == 2)
+                await asyncio.sleep(0.2)
+                assert assigned_ids(puller) == ["q0", "q1"]
+                assert idle.rec.assignments == []
+                puller.pull(3)
+                await wait_until(lambda: len(puller.rec.assignments) == 5)
+                assert assigned_ids(puller) == ["q0", "q1", "q2", "q3", "q4"]
+                for i, t in enumerate(tasks):
+                    assert tokens_of(await t) == expected_tokens([i + 1, 2], 3, vocab)
+                assert idle.rec.assignments == []
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_pull_head_of_line_respects_token_budget(redis_url, tiny_model, arun):
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            reps = Replicas(app.address, app.core.limits.vocab_size)
+            rep = await reps.add("r", auto_pull=False)
+            async with client(app.address) as stub:
+                reqs = [request([1] * 8, 2, request_id="big0"), request([1] * 5, 2, request_id="mid"),
+                        request([1], 2, request_id="tiny")]
+                tasks = await submit_in_order(app, stub, reqs)
+                rep.pull(3, 10)  # big0 fits (8), mid does not (5 > 2): stop, do not skip to tiny
+                await wait_until(lambda: len(rep.rec.assignments) == 1)
+                await asyncio.sleep(0.2)
+                assert assigned_ids(rep) == ["big0"]
+                rep.pull(3, 6)
+                await wait_until(lambda: len(rep.rec.assignments) == 3)
+                assert assigned_ids(rep) == ["big0", "mid", "tiny"]
+                await asyncio.gather(*tasks)
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_outstanding_pull_is_served_on_arrival(redis_url, tiny_model, arun):
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            reps = Replicas(app.address, app.core.limits.vocab_size)
+            rep = await reps.add("r", auto_pull=False)
+            rep.pull(1)
+            await asyncio.sleep(0.1)
+            async with client(app.address) as stub:
+                msgs = await collect(stub, request([5, 6], 4))
+            assert len(rep.rec.pulls) == 1  # no second Pull was needed
+            assert tokens_of(msgs) == expected_tokens([5, 6], 4, app.core.limits.vocab_size)
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_priority_then_arrival_order(redis_url, tiny_model, arun):
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            reps = Replicas(app.address, app.core.limits.vocab_size)
+            rep = await reps.add("r", auto_pull=False)
+            async with client(app.address) as stub:
+                reqs = [request([1], 1, request_id="low", priority=-1),
+                        request([2], 1, request_id="mid1"),
+                        request([3], 1, request_id="high", priority=5),
+                        request([4], 1, request_id="mid2")]
+                tasks = await submit_in_order(app, stub, reqs)
+                rep.pull(4)
+                await wait_until(lambda: len(rep.rec.assignments) == 4)
+                assert assigned_ids(rep) == ["high", "mid1", "mid2", "low"]
+                await asyncio.gather(*tasks)
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_round_robin_rotates_over_live_replicas_and_redistributes(redis_url, tiny_model, arun):
+    async def scenario():
+        cfg = make_config(redis_url, tiny_model, policy="round_robin")
+        async with running_router(cfg) as app:
+            reps = Replicas(app.address, app.core.limits.vocab_size)
+            for name in ("a", "b", "c"):
+                await reps.add(name, auto_pull=False)
+            async with client(app.address) as stub:
+                reqs = [request([i + 1], 2, request_id=f"rr{i}") for i in range(6)]
+                tasks = await submit_in_order(app, stub, reqs)
+                queues = [app.core.requests[f"rr{i}"].queue for i in range(6)]
+                assert queues == ["r:a", "r:b", "r:c", "r:a", "r:b", "r:c"]
+                await reps.kill("b")
+                await wait_until(lambda: app.core.registry.get("b") is None)
+                moved = {app.core.requests[r].queue for r in ("rr1", "rr4")}
+                assert moved <= {"r:a", "r:c"}
+                r = await app.core.store.redis.zcard(app.core.store.queue_key("r:b"))
+                assert r == 0
+                more = await submit_in_order(app, stub, [request([9], 2, request_id="x0"),
+                                                         request([9], 2, request_id="x1")])
+                assert {app.core.requests["x0"].queue, app.core.requests["x1"].queue} == {"r:a", "r:c"}
+                reps["a"].pull(10)
+                reps["c"].pull(10)
+                for t in tasks + more:
+                    assert (await t)[-1].finish_reason == gpb.FINISH_REASON_LENGTH
+                served = {a.request_id: n for n in ("a", "c") for a in reps[n].rec.assignments}
+                assert all(served[f"rr{i}"] == ("a" if i % 3 == 0 else "c") for i in (0, 2, 3, 5))
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_least_outstanding_picks_lightest(redis_url, tiny_model, arun):
+    async def scenario():
+        cfg = make_config(redis_url, tiny_model, policy="least_outstanding")
+        async with running_router(cfg) as app:
+            reps = Replicas(app.address, app.core.limits.vocab_size)
+            await reps.add("a", auto_pull=False)
+            await reps.add("b", auto_pull=False)
+            async with client(app.address) as stub:
+                reqs = [request([1] * 10, 300, request_id="heavy"),
+                        request([1], 5, request_id="light1"),
+                        request([1], 5, request_id="light2"),
+                        request([1], 5, request_id="light3")]
+                tasks = await submit_in_order(app, stub, reqs)
+                where = {r: app.core.requests[r].queue for r in ("heavy", "light1", "light2", "light3")}
+                assert where == {"heavy": "r:a", "light1": "r:b", "light2": "r:b", "light3": "r:b"}
+                reps["a"].pull(10)
+                reps["b"].pull(10)
+                await asyncio.gather(*tasks)
+                assert app.core.registry.get("a").load_tokens == 0
+                assert app.core.registry.get("b").load_tokens == 0
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_stream_interval_coalesces(redis_url, tiny_model, arun):
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            reps = Replicas(app.address, app.core.limits.vocab_size)
+            await reps.add("r", step_delay=0.005)
+            async with client(app.address) as stub:
+                msgs = await collect(stub, request([3, 4], 10, stream_interval=4))
+            assert tokens_of(msgs) == expected_tokens([3, 4], 10, app.core.limits.vocab_size)
+            assert all(len(m.token_ids) >= 4 for m in msgs[:-1])
+            assert len(msgs) <= 3
+            assert "".join(m.text for m in msgs) == "".join(f"<{t}>" for t in tokens_of(msgs))
+            await reps.close()
+
+    arun(scenario())
