@@ -1,0 +1,193 @@
+"""Replica failures: stream breaks, silence, protocol violations, drain, concurrency."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from common.pb.quadriga.v1 import generation_pb2 as gpb
+from common.pb.quadriga.v1 import replica_pb2 as rpb
+from common.pb.quadriga.v1 import replica_pb2_grpc
+from router.store import Store
+from tests.router.test_scheduling import submit_in_order, wait_until
+from tests.support.router_harness import (Replicas, client, collect, make_config, request,
+                                          running_router, tokens_of)
+from tests.support.scripted_replica import expected_tokens
+
+
+def test_replica_killed_mid_stream_loses_and_repeats_nothing(redis_url, tiny_model, arun):
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            vocab = app.core.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            doomed = await reps.add("doomed", step_delay=0.01, fail_after_steps=4)
+            async with client(app.address) as stub:
+                prompts = [[i + 1, i + 2] for i in range(6)]
+                tasks = [asyncio.create_task(collect(stub, request(p, 12))) for p in prompts]
+                await wait_until(lambda: doomed.steps >= 1)
+                healthy = await reps.add("healthy", step_delay=0.005)
+                results = await asyncio.gather(*tasks)
+            for p, msgs in zip(prompts, results):
+                assert tokens_of(msgs) == expected_tokens(p, 12, vocab)
+                assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
+                assert msgs[-1].timings.replica_id == "healthy"
+                assert msgs[-1].timings.requeues >= 1
+            resumed = [a for a in healthy.rec.assignments if a.resume_token_ids]
+            assert resumed, "the healthy replica should continue from tokens already generated"
+            for a in resumed:
+                p = list(a.prompt_token_ids)
+                assert list(a.resume_token_ids) == expected_tokens(p, len(a.resume_token_ids), vocab)
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_silent_replica_loses_its_lease(redis_url, tiny_model, arun):
+    async def scenario():
+        cfg = make_config(redis_url, tiny_model, lease_ttl=1.0, heartbeat_interval=0.25)
+        async with running_router(cfg) as app:
+            vocab = app.core.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            silent = await reps.add("silent", stop_heartbeats=True, hold_on_finish=True)
+            async with client(app.address) as stub:
+                task = asyncio.create_task(collect(stub, request([7], 5)))
+                await wait_until(lambda: silent.rec.assignments)
+                await reps.add("alive")
+                msgs = await task
+            assert tokens_of(msgs) == expected_tokens([7], 5, vocab)
+            assert msgs[-1].timings.replica_id == "alive"
+            assert app.core.registry.get("silent") is None
+            await reps.close()
+
+    arun(scenario())
+
+
+@pytest.mark.parametrize("garbage", ["bad_offset", "unowned", "empty", "register"])
+def test_malformed_replica_is_dropped_and_its_work_requeued(redis_url, tiny_model, arun, garbage):
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            vocab = app.core.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            bad = await reps.add("bad", step_delay=0.01, garbage=garbage, garbage_after_steps=2)
+            async with client(app.address) as stub:
+                task = asyncio.create_task(collect(stub, request([3, 3], 8)))
+                await wait_until(lambda: bad.rec.errors)
+                await reps.add("good")
+                msgs = await task
+                assert tokens_of(msgs) == expected_tokens([3, 3], 8, vocab)
+                assert bad.rec.errors == [grpc.StatusCode.FAILED_PRECONDITION]
+                # The router lives on.
+                again = await collect(stub, request([1], 2))
+                assert tokens_of(again) == expected_tokens([1], 2, vocab)
+            assert app.core.metrics.replica_faults._value.get() == 1
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_pull_before_register_is_rejected(redis_url, tiny_model, arun):
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            async with grpc.aio.insecure_channel(app.address) as ch:
+                stub = replica_pb2_grpc.ReplicaGatewayStub(ch)
+
+                async def msgs():
+                    yield rpb.ReplicaMessage(pull=rpb.Pull(max_requests=1))
+                    await asyncio.sleep(5)
+
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in stub.Connect(msgs()):
+                        pass
+                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "Register" in err.value.details()
+            assert len(app.core.registry) == 0
+
+    arun(scenario())
+
+
+def test_replica_token_is_required(redis_url, tiny_model, arun):
+    async def scenario():
+        cfg = make_config(redis_url, tiny_model, replica_token="s3cret")
+        async with running_router(cfg) as app:
+            reps = Replicas(app.address, app.core.limits.vocab_size)
+            intruder = await reps.add("intruder", wait=False, auth_token="wrong")
+            await asyncio.wait_for(reps.items["intruder"][1], 10)
+            assert intruder.rec.errors == [grpc.StatusCode.UNAUTHENTICATED]
+            assert len(app.core.registry) == 0
+            await reps.add("member", auth_token="s3cret")
+            async with client(app.address) as stub:
+                msgs = await collect(stub, request([1], 2))
+            assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_drain_hands_work_to_other_replicas(redis_url, tiny_model, arun):
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            vocab = app.core.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            old = await reps.add("old", step_delay=0.02)
+            async with client(app.address) as stub:
+                tasks = [asyncio.create_task(collect(stub, request([i], 15))) for i in range(1, 4)]
+                await wait_until(lambda: old.steps >= 2)
+                await reps.add("new", step_delay=0.005)
+                assert await app.ops.drain("old")
+                results = await asyncio.gather(*tasks)
+            assert old.rec.drained
+            for i, msgs in zip(range(1, 4), results):
+                assert tokens_of(msgs) == expected_tokens([i], 15, vocab)
+                assert msgs[-1].timings.replica_id == "new"
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_concurrent_pulls_never_share_a_request(redis_url, tiny_model, arun):
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            vocab = app.core.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            for i in range(6):
+                await reps.add(f"r{i}", capacity=3, tokens_per_step=2)
+            async with client(app.address) as stub:
+                prompts = [[i % 50 + 1, i // 50 + 1] for i in range(120)]
+                results = await asyncio.gather(*(collect(stub, request(p, 4)) for p in prompts))
+            for p, msgs in zip(prompts, results):
+                assert tokens_of(msgs) == expected_tokens(p, 4, vocab)
+            ids = [a.request_id for i in range(6) for a in reps[f"r{i}"].rec.assignments]
+            assert len(ids) == len(set(ids)) == 120
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_lua_pop_is_atomic_under_contention(redis_url, arun):
+    """Many connections popping one queue at once: every request exactly once."""
+
+    async def scenario():
+        stores = [Store(redis_url, "atomic:", 60) for _ in range(8)]
+        for i in range(300):
+            await stores[0].submit(f"x{i}", "d", b"", 1, 1, 0, 1000.0 + i, 1, "pending")
+
+        async def popper(k):
+            got = []
+            while True:
+                ids = await stores[k].pop("pending", f"rep{k}", 3, 0, 2e9, 1.0)
+                if not ids:
+                    return got
+                got += ids
+
+        results = await asyncio.gather(*(popper(k) for k in range(8)))
+        flat = [i for r in results for i in r]
+        assert sorted(flat) == sorted(f"x{i}" for i in range(300))
+        assert len(flat) == len(set(flat))
+        r = stores[0].redis
+        assert await r.zcard("atomic:inflight") == 300
+        owners = {i: (await r.hget(f"atomic:req:{i}", "o")).decode() for i in results[0]}
+        assert set(owners.values()) <= {"rep0"}
+        for s in stores:
+            await s.close()
+
+    arun(scenario())
