@@ -89,3 +89,11 @@ def tokens_of(messages) -> list[int]:
 async def client(address: str):
     async with grpc.aio.insecure_channel(address) as channel:
         yield generation_pb2_grpc.GenerationStub(channel)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
