@@ -124,33 +124,25 @@ class ModelRunner:
                 raise ValueError(f"bad chunk of {c.num_tokens} tokens for {c.seq!r}")
             if c.seq.num_computed_tokens + c.num_tokens > self.max_model_len:
                 raise ValueError(f"{c.seq!r} exceeds max_model_len {self.max_model_len}")
-        md, positions = build_attention_metadata(
+        token_ids: list[int] = []
+        qsl = [0]
+        for c in ordered:
+            start = c.seq.num_computed_tokens
+            token_ids.extend(c.seq.token_ids[start : start + c.num_tokens])
+            qsl.append(len(token_ids))
+        row_of = {idx: qsl[k + 1] - 1 for k, idx in enumerate(order)}  # last token of each chunk
+        sampling = [i for i, c in enumerate(chunks) if _samples(c)]
+        md, positions, (input_ids, logits_indices) = build_attention_metadata(
             [c.seq.num_computed_tokens for c in ordered],
             [c.num_tokens for c in ordered],
             [c.seq.block_ids for c in ordered],
             num_prefills,
             self.block_size,
             self.device,
+            extra=(np.asarray(token_ids, dtype=np.int64), np.asarray([row_of[i] for i in sampling], dtype=np.int64)),
         )
-        token_ids: list[int] = []
-        for c in ordered:
-            start = c.seq.num_computed_tokens
-            token_ids.extend(c.seq.token_ids[start : start + c.num_tokens])
-        qsl = md.query_start_loc_host.tolist()
-        row_of = {idx: qsl[k + 1] - 1 for k, idx in enumerate(order)}  # last token of each chunk
-        sampling = [i for i, c in enumerate(chunks) if _samples(c)]
         rows = [SamplingRow(chunks[i].seq.sampling_params, chunks[i].seq.num_output_tokens) for i in sampling]
-        return StepInputs(
-            input_ids=self._to_device(np.asarray(token_ids, dtype=np.int64)),
-            positions=self._to_device(positions),
-            metadata=md,
-            logits_indices=self._to_device(np.asarray([row_of[i] for i in sampling], dtype=np.int64)),
-            sampling_rows=rows,
-        )
-
-    def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
+        return StepInputs(input_ids, positions, md, logits_indices, rows)
 
     # ---- KV cache sizing on CUDA ----
     def _profile_run(self) -> None:

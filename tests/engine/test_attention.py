@@ -28,7 +28,7 @@ class Chunk:
 
 def test_metadata_fields():
     # Two prefill chunks (one continuing at 5), then two decodes; block size 4.
-    md, positions = build_attention_metadata(
+    md, positions, _ = build_attention_metadata(
         num_computed=[0, 5, 7, 3], num_tokens=[3, 4, 1, 1],
         block_ids=[[9], [2, 6, 4], [1, 8], [5, 3]], num_prefills=2, block_size=4, device="cpu",
     )
@@ -60,7 +60,7 @@ def test_backend_matches_dense_causal_attention():
     blocks = [7, 0, 3, 9, 1, 5]
     out, done = [], 0
     for n in (6, 1, 9, 1, 1, 5):
-        md, _ = build_attention_metadata([done], [n], [blocks], 1 if n > 1 else 0, bs, "cpu")
+        md, _, _ = build_attention_metadata([done], [n], [blocks], 1 if n > 1 else 0, bs, "cpu")
         backend.prepare(md)
         sl = slice(done, done + n)
         out.append(backend.forward(q[sl], k[sl], v[sl], cache, md))

@@ -24,10 +24,10 @@ def full_forward_logits(model_dir, token_ids, dtype="float32", load_format="auto
     model = get_model(ModelConfig(str(model_dir), dtype=dtype, load_format=load_format), backend, "cpu", 1024)
     blocks = -(-len(token_ids) // block_size)
     cache = KVCache(model.shape.num_layers, blocks, block_size, model.shape.num_kv_heads, head_dim, model.embed_tokens.dtype, "cpu")
-    md, positions = build_attention_metadata([0], [len(token_ids)], [list(range(blocks))], 1, block_size, "cpu")
+    md, positions, _ = build_attention_metadata([0], [len(token_ids)], [list(range(blocks))], 1, block_size, "cpu")
     backend.prepare(md)
     with torch.inference_mode():
-        hidden = model(torch.tensor(token_ids), torch.from_numpy(positions), cache.layers, md)
+        hidden = model(torch.tensor(token_ids), positions, cache.layers, md)
         return model.compute_logits(hidden)
 
 

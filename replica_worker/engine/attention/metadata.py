@@ -69,8 +69,10 @@ def build_attention_metadata(
     num_prefills: int,
     block_size: int,
     device: torch.device | str,
-) -> tuple[AttentionMetadata, np.ndarray]:
-    """Returns the metadata and the positions [T] (int64, host) of the flattened tokens.
+    extra: Seq[np.ndarray] = (),
+) -> tuple[AttentionMetadata, torch.Tensor, list[torch.Tensor]]:
+    """Returns the metadata, the positions [T] of the flattened tokens and the
+    `extra` int arrays (e.g. input ids), all on the device, moved in one copy.
 
     Sequences must already be ordered prefills first. block_ids[i] must cover
     num_computed[i] + num_tokens[i] tokens (extra trailing blocks are ignored).
@@ -102,19 +104,15 @@ def build_attention_metadata(
     last_page_len = seq_lens - (blocks_needed - 1) * block_size
 
     num_prefill_tokens = int(qsl[num_prefills])
-    dev = torch.device(device)
-
-    def host(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
-
-    def to_dev(t: torch.Tensor) -> torch.Tensor:
-        return t if dev.type == "cpu" else t.pin_memory().to(dev, non_blocking=True)
-
-    qsl_h = host(qsl, torch.int32)
-    seq_lens_h = host(seq_lens, torch.int32)
-    nc_h = host(nc, torch.int32)
-    kv_indptr_h = host(kv_indptr, torch.int32)
-    last_page_h = host(last_page_len, torch.int32)
+    host = [qsl, seq_lens, nc, kv_indptr, last_page_len]
+    as_int32 = [*host, kv_indices, block_table.reshape(-1)]
+    as_int64 = [slot_mapping, positions, *extra]
+    sizes = [a.size for a in as_int32 + as_int64]
+    packed = _transfer(as_int32 + as_int64, device)
+    n32 = sum(sizes[: len(as_int32)])
+    i32 = packed[:n32].to(torch.int32).split(sizes[: len(as_int32)])
+    dev = [None] * len(as_int32) + list(packed[n32:].split(sizes[len(as_int32):]))
+    qsl_h, seq_lens_h, nc_h, kv_indptr_h, last_page_h = (torch.from_numpy(a).to(torch.int32) for a in host)
     md = AttentionMetadata(
         num_seqs=num_seqs,
         num_prefills=num_prefills,
@@ -123,18 +121,27 @@ def build_attention_metadata(
         block_size=block_size,
         max_query_len=int(nt.max()) if num_seqs else 0,
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
-        query_start_loc=to_dev(qsl_h),
-        seq_lens=to_dev(seq_lens_h),
-        num_computed=to_dev(nc_h),
-        slot_mapping=to_dev(host(slot_mapping, torch.int64)),
-        block_tables=to_dev(host(block_table, torch.int32)),
-        paged_kv_indptr=to_dev(kv_indptr_h),
-        paged_kv_indices=to_dev(host(kv_indices, torch.int32)),
-        paged_kv_last_page_len=to_dev(last_page_h),
+        query_start_loc=i32[0],
+        seq_lens=i32[1],
+        num_computed=i32[2],
+        paged_kv_indptr=i32[3],
+        paged_kv_last_page_len=i32[4],
+        paged_kv_indices=i32[5],
+        block_tables=i32[6].view(num_seqs, max_blocks),
+        slot_mapping=dev[7],
         query_start_loc_host=qsl_h,
         seq_lens_host=seq_lens_h,
         num_computed_host=nc_h,
         paged_kv_indptr_host=kv_indptr_h,
         paged_kv_last_page_len_host=last_page_h,
     )
-    return md, positions
+    return md, dev[8], dev[9:]
+
+
+def _transfer(arrays: list[np.ndarray], device: torch.device | str) -> torch.Tensor:
+    """int arrays -> one flat int64 tensor on the device, in one host-to-device copy."""
+    packed = torch.from_numpy(np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in arrays]))
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        packed = packed.pin_memory().to(dev, non_blocking=True)
+    return packed

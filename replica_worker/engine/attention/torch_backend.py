@@ -7,10 +7,12 @@ tensor and mask is built once per step in prepare(), not per layer.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from replica_worker.engine.attention.backend import AttentionBackend
 from replica_worker.engine.attention.metadata import AttentionMetadata
@@ -35,6 +37,9 @@ class _TorchPlan:
     dec_block: torch.Tensor | None  # [D, Lmax]
     dec_offset: torch.Tensor | None  # [Lmax]
     dec_mask: torch.Tensor | None  # [D, 1, 1, Lmax]
+
+
+_CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -83,6 +88,13 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache[plan.write_block, :, plan.write_offset] = torch.stack((k, v), dim=1)
 
     def attend(self, q, k, v, kv_cache, md):
+        # cuDNN attention builds a graph per new shape (hundreds of ms); every
+        # step here brings new context lengths, so keep to the other kernels.
+        ctx = sdpa_kernel(_CUDA_SDPA) if q.is_cuda else contextlib.nullcontext()
+        with ctx:
+            return self._attend(q, k, v, kv_cache, md)
+
+    def _attend(self, q, k, v, kv_cache, md):
         plan = self._plan(md)
         out = torch.empty_like(q)
         for p in plan.prefills:
