@@ -80,29 +80,10 @@ def build_attention_metadata(
     num_seqs = len(num_tokens)
     nc = np.asarray(num_computed, dtype=np.int64)
     nt = np.asarray(num_tokens, dtype=np.int64)
-    seq_lens = nc + nt
-    qsl = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(nt, out=qsl[1:])
-    total = int(qsl[-1])
-
-    seq_of_token = np.repeat(np.arange(num_seqs), nt)
-    positions = np.arange(total, dtype=np.int64) - qsl[:-1][seq_of_token] + nc[seq_of_token]
-
-    blocks_needed = (seq_lens + block_size - 1) // block_size
-    max_blocks = int(blocks_needed.max()) if num_seqs else 0
-    block_table = np.zeros((num_seqs, max_blocks), dtype=np.int64)
-    for i, ids in enumerate(block_ids):
-        n = int(blocks_needed[i])
-        if len(ids) < n:
-            raise ValueError(f"sequence {i} has {len(ids)} blocks, needs {n} for {int(seq_lens[i])} tokens")
-        block_table[i, :n] = ids[:n]
-    slot_mapping = block_table[seq_of_token, positions // block_size] * block_size + positions % block_size
-
-    kv_indptr = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(blocks_needed, out=kv_indptr[1:])
-    kv_indices = block_table[np.arange(max_blocks)[None, :] < blocks_needed[:, None]]
-    last_page_len = seq_lens - (blocks_needed - 1) * block_size
-
+    qsl, seq_lens, positions, block_table, slot_mapping, kv_indptr, kv_indices, last_page_len = _host_layout(
+        nc, nt, block_ids, block_size
+    )
+    total, max_blocks = int(qsl[-1]), block_table.shape[1]
     num_prefill_tokens = int(qsl[num_prefills])
     host = [qsl, seq_lens, nc, kv_indptr, last_page_len]
     as_int32 = [*host, kv_indices, block_table.reshape(-1)]
@@ -136,6 +117,32 @@ def build_attention_metadata(
         paged_kv_last_page_len_host=last_page_h,
     )
     return md, dev[8], dev[9:]
+
+
+def _host_layout(nc: np.ndarray, nt: np.ndarray, block_ids: Seq[Seq[int]], block_size: int):
+    """Every per-token and per-sequence index array, vectorised over the batch."""
+    num_seqs = len(nt)
+    seq_lens = nc + nt
+    qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(nt, out=qsl[1:])
+    seq_of_token = np.repeat(np.arange(num_seqs), nt)
+    positions = np.arange(int(qsl[-1]), dtype=np.int64) - qsl[:-1][seq_of_token] + nc[seq_of_token]
+
+    blocks_needed = (seq_lens + block_size - 1) // block_size
+    max_blocks = int(blocks_needed.max()) if num_seqs else 0
+    block_table = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+    for i, ids in enumerate(block_ids):
+        n = int(blocks_needed[i])
+        if len(ids) < n:
+            raise ValueError(f"sequence {i} has {len(ids)} blocks, needs {n} for {int(seq_lens[i])} tokens")
+        block_table[i, :n] = ids[:n]
+    slot_mapping = block_table[seq_of_token, positions // block_size] * block_size + positions % block_size
+
+    kv_indptr = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(blocks_needed, out=kv_indptr[1:])
+    kv_indices = block_table[np.arange(max_blocks)[None, :] < blocks_needed[:, None]]
+    last_page_len = seq_lens - (blocks_needed - 1) * block_size
+    return qsl, seq_lens, positions, block_table, slot_mapping, kv_indptr, kv_indices, last_page_len
 
 
 def _transfer(arrays: list[np.ndarray], device: torch.device | str) -> torch.Tensor:

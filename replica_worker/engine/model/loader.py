@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -18,6 +19,8 @@ import torch
 from replica_worker.engine.attention import AttentionBackend
 from replica_worker.engine.config import ModelConfig
 from replica_worker.engine.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,6 +53,12 @@ def get_model(
 ) -> LlamaForCausalLM:
     device = torch.device(device)
     hf_config = hf_config or load_hf_config(model_config.model)
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True) and max_positions > window:
+        logger.warning(
+            "%s declares sliding_window=%d; attention here is full, so outputs past %d tokens differ",
+            model_config.model, window, window,
+        )
     with model_context(DTYPES[model_config.dtype], device):
         model = LlamaForCausalLM(hf_config, backend, max_positions)
     if model_config.load_format == "dummy":
