@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.support.redis_server import RedisServer  # noqa: E402
+from common.redis_server import RedisServer  # noqa: E402
 
 
 @pytest.fixture(scope="session")

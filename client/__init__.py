@@ -1,0 +1,1 @@
+"""A small gRPC client of the router's Generation API (CLI: python -m client)."""

