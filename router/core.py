@@ -181,23 +181,32 @@ class RouterCore:
                            priority=request.priority, stream_interval=request.stream_interval)
         target = self.policy.select(req, self.registry.live())
         queue = replica_queue(target.id) if target else PENDING
+        # Queued in memory before the script runs: a concurrent pop may take it
+        # as soon as Redis has it.
         self.requests[rid] = req
+        self.enqueue_local(req, queue)
         try:
             created, member, state = await self.store.submit(
                 rid, body_digest, assignment.SerializeToString(), len(ids), max_tokens,
                 request.priority, assignment.arrival_time, request.stream_interval, queue)
         except BaseException:
-            self.requests.pop(rid, None)
+            self._forget_unstored(req)
             raise
         if not created:
-            self.requests.pop(rid, None)
+            self._forget_unstored(req)
             return await self._reattach_stored(rid, body_digest, member)
         req.member = member
-        self.enqueue_local(req, queue)
         self.metrics.accepted.inc()
         self.policy.on_request_arrival(req)
         self.dispatcher.kick()
         return req
+
+    def _forget_unstored(self, req: RequestState) -> None:
+        if req.phase is Phase.QUEUED:
+            self._dequeue_local(req)
+            self._release_load(req)
+        if self.requests.get(req.id) is req:
+            del self.requests[req.id]
 
     async def _wait_for_replica(self) -> None:
         if len(self.registry):
@@ -296,7 +305,8 @@ class RouterCore:
     async def redistribute(self, queue: str, exclude: ReplicaSession | None = None) -> None:
         """Re-places the requests waiting in `queue` through the policy."""
         waiting = sorted((r for r in self.requests.values()
-                          if r.phase is Phase.QUEUED and r.queue == queue), key=lambda r: r.member)
+                          if r.phase is Phase.QUEUED and r.queue == queue and r.member),
+                         key=lambda r: r.member)
         live = [s for s in self.registry.live() if s is not exclude]
         items = []
         for req in waiting:

@@ -24,6 +24,7 @@ class ReplicaSession:
         self.last_seen = time.monotonic()
         self.owned: dict[str, object] = {}      # request id -> RequestState it runs
         self.released: set[str] = set()         # cancelled by the router; late deltas are fine
+        self.rebound: set[str] = set()          # kept at Register, no delta seen since
         self.load_tokens = 0                    # queued + running cost (least_outstanding)
         # Outstanding Pull: what the router may still assign against the latest Pull.
         self.pull_requests = 0

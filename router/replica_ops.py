@@ -59,6 +59,7 @@ class ReplicaOps:
             core.metrics.inflight.labels(old.id).dec()
         req.owner = session
         session.owned[rid] = req
+        session.rebound.add(rid)
         core.metrics.inflight.labels(session.id).inc()
         return True
 
@@ -100,8 +101,22 @@ class ReplicaOps:
         reqs = [session.owned[r] for r in msg.request_ids if r in session.owned]
         await self.core.requeue_owned(session, reqs, "hand_back")
 
-    def check_step(self, session: "ReplicaSession", step: rpb.StepOutputs) -> list:
-        """Validates a whole StepOutputs before any of it is applied."""
+    async def _requeue_diverged(self, session: "ReplicaSession", reqs: list) -> None:
+        ids = [r.id for r in reqs]
+        for rid in ids:
+            session.remember_released(rid)
+        session.send(rpb.RouterMessage(cancel=rpb.CancelRequests(request_ids=ids)))
+        await self.core.requeue_owned(session, reqs, "diverged")
+
+    def check_step(self, session: "ReplicaSession", step: rpb.StepOutputs,
+                   diverged: list) -> list:
+        """Validates a whole StepOutputs before any of it is applied.
+
+        A request kept across a router restart may have lost its last steps in
+        the crash; its first delta then does not continue the recorded output.
+        That one request is cancelled on the replica and requeued (it resumes
+        from what was recorded); any other mismatch is a fault.
+        """
         vocab = self.core.limits.vocab_size
         next_offset: dict[str, int | None] = {}
         items = []
@@ -115,6 +130,12 @@ class ReplicaOps:
             expected = next_offset.get(rid, len(req.tokens))
             if expected is None:
                 raise ReplicaFault(f"delta for request {rid!r} after its finish")
+            if rid in session.rebound:
+                session.rebound.discard(rid)
+                if d.output_offset != expected:
+                    diverged.append(req)
+                    next_offset[rid] = None
+                    continue
             if d.output_offset != expected:
                 raise ReplicaFault(f"request {rid!r}: output_offset {d.output_offset}, expected "
                                    f"{expected} (a gap or a duplicate)")
@@ -131,7 +152,10 @@ class ReplicaOps:
         return items
 
     async def on_step(self, session: "ReplicaSession", step: rpb.StepOutputs) -> None:
-        items = self.check_step(session, step)
+        diverged: list = []
+        items = self.check_step(session, step, diverged)
+        if diverged:
+            await self._requeue_diverged(session, diverged)
         if not items:
             return
         core, store, metrics = self.core, self.core.store, self.core.metrics
