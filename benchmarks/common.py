@@ -1,0 +1,48 @@
+"""Helpers every benchmark shares: percentiles, result files, the reproduce command."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def percentile(values, q: float) -> float | None:
+    """Linear-interpolated percentile, q in [0, 100]; None for no values."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(values) -> dict:
+    values = list(values)
+    return {
+        "n": len(values),
+        "mean": sum(values) / len(values) if values else None,
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "max": max(values) if values else None,
+    }
+
+
+def save_result(name: str, payload: dict) -> Path:
+    """Writes RESULTS/name.json with the command that reproduces it."""
+    path = RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        **payload,
+    }
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
