@@ -59,11 +59,15 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        scratch_blocks: int = 0,
     ) -> None:
+        """scratch_blocks extra blocks follow the num_blocks the BlockManager
+        hands out (ids num_blocks, ...): CUDA-graph padding rows write there."""
         self.num_blocks = num_blocks
+        self.scratch_block = num_blocks if scratch_blocks else None
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
-        shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks + scratch_blocks, 2, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: padded decode rows gather never-written slots, and
         # NaN garbage there would poison the masked softmax's matmul.
         self.layers: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -9,10 +9,16 @@ one token. The runner never modifies sequences; the engine advances them.
 Host work per step: one pass over the chunks to build the inputs and the
 attention metadata, and one device-to-host sync (the sampled ids). Nothing
 host-side runs per layer except inside the plain torch backend.
+
+On CUDA the attention backend is flashinfer where it can serve the model
+(see attention.select_backend), and decode-only steps of up to max_num_seqs
+sequences replay CUDA graphs captured at start-up (cuda_graph.DecodeGraphs).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,6 +32,8 @@ from replica_worker.engine.model import DTYPES, get_model, load_hf_config
 from replica_worker.engine.sampler import Sampler, SamplingRow
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class ChunkLike(Protocol):
@@ -78,27 +86,56 @@ class ModelRunner:
         self.dtype = DTYPES[mc.dtype]
         self.eos_token_id = _read_eos(mc.model, self.hf_config)
 
-        backend_cls = select_backend(self.device)
+        t0 = time.perf_counter()
         n_heads = self.hf_config.num_attention_heads
         head_dim = getattr(self.hf_config, "head_dim", None) or self.hf_config.hidden_size // n_heads
         n_kv = getattr(self.hf_config, "num_key_value_heads", None) or n_heads
-        self.backend = backend_cls(n_heads, n_kv, head_dim)
+        backend_cls = select_backend(self.device, self.dtype, head_dim)
+        extra = {"dtype": self.dtype, "device": self.device} if backend_cls.name == "flashinfer" else {}
+        self.backend = backend_cls(n_heads, n_kv, head_dim, **extra)
         self.model = get_model(mc, self.backend, self.device, self.max_model_len, self.hf_config)
+        self._sync()
+        t1 = time.perf_counter()
         self.vocab_size: int = self.model.shape.vocab_size
         self.sampler = Sampler(self.device, seed=mc.seed)
 
         self.block_size = config.cache.block_size
         num_layers = self.model.shape.num_layers
         block_bytes = bytes_per_block(num_layers, self.block_size, n_kv, head_dim, self.dtype)
-        self.num_blocks = determine_num_blocks(config.cache, block_bytes, self.device, self._profile_run)
-        self.kv_cache = KVCache(num_layers, self.num_blocks, self.block_size, n_kv, head_dim, self.dtype, self.device)
+        use_graphs = config.enable_cuda_graphs and self.device.type == "cuda" and self.backend.supports_cuda_graphs
+        num_blocks = determine_num_blocks(config.cache, block_bytes, self.device, self._profile_run)
+        if use_graphs and config.cache.num_blocks is None:
+            num_blocks -= 1  # room for the scratch block
+        self.num_blocks = num_blocks
+        self.kv_cache = KVCache(num_layers, self.num_blocks, self.block_size, n_kv, head_dim, self.dtype, self.device,
+                                scratch_blocks=1 if use_graphs else 0)
         self.bytes_per_block = block_bytes
+        self._sync()
+        t2 = time.perf_counter()
+        self.graphs = None
+        if use_graphs:
+            from replica_worker.engine.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, config.scheduler.max_num_seqs)
+        t3 = time.perf_counter()
+        # Start-up phases in seconds (weights, KV sizing + allocation, graph capture).
+        self.startup_seconds = {"weights": t1 - t0, "kv_cache": t2 - t1, "cuda_graphs": t3 - t2}
+        logger.info("runner ready: backend %s, %d KV blocks, start-up %s", self.backend.name, self.num_blocks,
+                    {k: round(v, 2) for k, v in self.startup_seconds.items()})
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ---- one step ----
     def execute(self, chunks: list[ChunkLike]) -> list[int]:
         """Sampled token ids, one per chunk that samples, in chunk order."""
         if not chunks:
             return []
+        if self.graphs is not None and len(chunks) <= self.graphs.max_batch and all(c.num_tokens == 1 for c in chunks):
+            sampling = [i for i, c in enumerate(chunks) if _samples(c)]
+            rows = [SamplingRow(chunks[i].seq.sampling_params, chunks[i].seq.num_output_tokens) for i in sampling]
+            return self.graphs.execute(chunks, sampling, rows)
         inputs = self.prepare_inputs(chunks)
         with torch.inference_mode():
             sampled = self._run(inputs, self.kv_cache.layers)

@@ -8,14 +8,19 @@ flashinfer backend reads the same tensors the torch backend writes.
 from __future__ import annotations
 
 import abc
+import logging
+import os
 
 import torch
 
 from replica_worker.engine.attention.metadata import AttentionMetadata
 
+logger = logging.getLogger(__name__)
+
 
 class AttentionBackend(abc.ABC):
     name: str = "abstract"
+    supports_cuda_graphs: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> None:
         if num_heads % num_kv_heads:
@@ -44,8 +49,23 @@ class AttentionBackend(abc.ABC):
         return self.attend(q, k, v, kv_cache, metadata)
 
 
-def select_backend(device: torch.device | str) -> type[AttentionBackend]:
-    """The backend class for a device. A flashinfer backend for CUDA plugs in here."""
+def select_backend(
+    device: torch.device | str, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> type[AttentionBackend]:
+    """The backend class for a device: flashinfer on CUDA when it can serve the
+    model (fp16/bf16, head_dim 64/128/256, importable), else plain torch, with a
+    warning on CUDA. QUADRIGA_ATTENTION_BACKEND=torch|flashinfer forces one."""
     from replica_worker.engine.attention.torch_backend import TorchAttentionBackend
 
+    forced = os.environ.get("QUADRIGA_ATTENTION_BACKEND", "").strip().lower()
+    if forced == "torch" or torch.device(device).type != "cuda":
+        return TorchAttentionBackend
+    from replica_worker.engine.attention import flashinfer_backend as fb
+
+    reason = fb.flashinfer_supports(dtype, head_dim)
+    if reason is None:
+        return fb.FlashInferBackend
+    if forced == "flashinfer":
+        raise RuntimeError(f"flashinfer backend forced but unusable: {reason}")
+    logger.warning("attention on CUDA falls back to the torch backend: %s", reason)
     return TorchAttentionBackend
