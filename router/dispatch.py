@@ -81,7 +81,9 @@ class Dispatcher:
             session.pull_tokens -= req.context_len
             a = assign.assignments.add()
             a.CopyFrom(req.assignment)
-            a.resume_token_ids.extend(req.tokens)
+            if req.tokens:
+                a.resume_token_ids.extend(req.tokens)
+                a.resume_text_len = req.text_len
         if stale:
             await core.discard_popped(stale)
         if session.closed:

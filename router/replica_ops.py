@@ -89,10 +89,15 @@ class ReplicaOps:
 
     # ---- messages ----
     def on_pull(self, session: "ReplicaSession", pull: rpb.Pull) -> None:
-        # A Pull states the room the replica has now and replaces any earlier one.
-        session.pull_requests = pull.max_requests
-        session.pull_tokens = pull.max_prompt_tokens
-        session.pull_unlimited_tokens = pull.max_prompt_tokens == 0
+        # A Pull grants credit on top of what is outstanding (replica.proto), so
+        # a grant crossing an Assign on the wire cannot over-commit the replica.
+        session.pull_requests += pull.max_requests
+        if pull.max_prompt_tokens == 0:
+            session.pull_unlimited_tokens = True
+        else:
+            session.pull_tokens = (0 if session.pull_unlimited_tokens else session.pull_tokens) \
+                + pull.max_prompt_tokens
+            session.pull_unlimited_tokens = False
         session.pull_at = time.monotonic()
         self.core.policy.on_pull(session)
         self.core.dispatcher.kick()
@@ -131,6 +136,12 @@ class ReplicaOps:
             if expected is None:
                 raise ReplicaFault(f"delta for request {rid!r} after its finish")
             if rid in session.rebound:
+                # After re-registering, a replica resends what it sent before the
+                # break: what is already recorded is skipped; a gap means the
+                # replica lost output, and the request resumes from the record.
+                end = d.output_offset + len(d.token_ids)
+                if d.output_offset < expected and end <= expected and not d.HasField("finish_reason"):
+                    continue
                 session.rebound.discard(rid)
                 if d.output_offset != expected:
                     diverged.append(req)
