@@ -276,14 +276,15 @@ def test_sequences_that_can_never_run_are_ignored(name):
 
 @pytest.mark.parametrize("name", ALL)
 def test_admission_capacity_reaches_zero_and_recovers(name):
-    sched = sched_of(name, num_blocks=32, max_num_seqs=4)
+    sched = sched_of(name, num_blocks=32, max_num_seqs=4, chunk_size=128)
     assert sched.admission_capacity() == AdmissionCapacity(4, 32 * BLOCK)
     seqs = [seq_of(f"c{i}", 20, max_tokens=6) for i in range(4)]
     for seq in seqs[:2]:
         sched.add_seq(seq)
     cap = sched.admission_capacity()
     owed = sum(sched.block_manager.initial_blocks(s) for s in seqs[:2])
-    assert cap == AdmissionCapacity(2, (32 - owed) * BLOCK)
+    backlog = 40  # two waiting prompts of 20 tokens
+    assert cap == AdmissionCapacity(2, min((32 - owed) * BLOCK, sched.budget - backlog))
     for seq in seqs[2:]:
         sched.add_seq(seq)
     assert sched.admission_capacity() == AdmissionCapacity(0, 0)  # no seats
@@ -291,6 +292,17 @@ def test_admission_capacity_reaches_zero_and_recovers(name):
     assert_drained(sched)
     assert sched.admission_capacity() == AdmissionCapacity(4, 32 * BLOCK)
     assert len(trace.finished) == 4
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_admission_capacity_is_bounded_by_the_prefill_backlog(name):
+    sched = sched_of(name, num_blocks=512, max_num_seqs=8)
+    idle = sched.admission_capacity()
+    assert idle.max_prompt_tokens > sched.budget, "an idle engine takes a prompt longer than its budget"
+    sched.add_seq(seq_of("long", sched.budget, max_tokens=4))
+    assert sched.admission_capacity() == AdmissionCapacity(0, 0), "a full step of prefill is waiting"
+    simulate(sched, {})
+    assert sched.admission_capacity() == idle
 
 
 def test_admission_capacity_is_zero_when_the_cache_is_full():

@@ -179,15 +179,31 @@ class BaseScheduler:
     def admission_capacity(self) -> AdmissionCapacity:
         """What new requests could start now without queueing behind others:
         seats left, and cache tokens left after the watermark and after the
-        blocks already-waiting sequences will take at admission."""
+        blocks already-waiting sequences will take at admission.
+
+        Tokens are also bounded by the prefill backlog: work that cannot start
+        within about one step's token budget would only wait here, bound too
+        early, while another replica may be idle (late binding). With no
+        backlog any prompt that fits the cache is admissible, so a prompt
+        longer than the budget is never refused forever.
+        """
         bm = self.block_manager
         seats = self.max_num_seqs - len(self.running) - len(self.waiting)
         owed = sum(bm.initial_blocks(seq) for seq in self.waiting)
         tokens = (bm.num_free_blocks - bm.watermark_blocks - owed) * bm.block_size
         tokens = min(tokens, max(seats, 0) * self.prompt_limit)
+        backlog = self.prefill_backlog()
+        if backlog:
+            tokens = min(tokens, self.budget - backlog)
         if seats <= 0 or tokens <= 0:
             return AdmissionCapacity(0, 0)
         return AdmissionCapacity(seats, tokens)
+
+    def prefill_backlog(self) -> int:
+        """Tokens still to prefill: waiting sequences and running ones mid-prompt."""
+        return sum(s.num_uncomputed_tokens for s in self.waiting) + sum(
+            s.num_uncomputed_tokens for s in self.running if s.in_prefill
+        )
 
     # ---- helpers for policies ----
     def _rank_of(self, seq: Sequence) -> int:
