@@ -58,6 +58,11 @@ class RotaryEmbedding(torch.nn.Module):
         # Cast like transformers does (cos/sin in float32, then to the activation dtype).
         self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
+        # float32 [P, head_dim]: cos of each frequency, then sin (flashinfer's fused rope).
+        self._cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1) if torch.device(device).type == "cuda" else None
+
+    def cos_sin_cache(self) -> torch.Tensor:
+        return self._cos_sin
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, head_dim] for the step: gathered once, shared by every layer."""
