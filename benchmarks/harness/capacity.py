@@ -1,0 +1,58 @@
+"""Capacity as Sarathi-Serve defines it: the highest Poisson rate whose run keeps
+p99 TBT within the SLO and median scheduling delay within 2 s, by bracketing and
+binary search over a bounded number of probes (each probe a fixed request count)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+def probe_passes(summary: dict, tbt_slo_s: float, sched_delay_p50_s: float = 2.0) -> tuple[bool, str]:
+    """The pass rule on an aggregate from metrics.aggregate."""
+    if summary["errors"]:
+        return False, f"{summary['errors']} errors"
+    tbt = summary["tbt_s"]["p99"]
+    sched = summary["server_scheduling_delay_s"]["p50"]
+    if tbt is None or tbt > tbt_slo_s:
+        return False, f"p99 TBT {tbt} > {tbt_slo_s}"
+    if sched is None or sched > sched_delay_p50_s:
+        return False, f"p50 scheduling delay {sched} > {sched_delay_p50_s}"
+    return True, f"p99 TBT {tbt:.4f} s, p50 scheduling delay {sched:.3f} s"
+
+
+def search(probe: Callable[[float], bool], initial: float, *, max_probes: int = 8,
+           rel_tol: float = 0.05, min_rate: float = 1e-3, max_rate: float = 1e6) -> tuple[float | None, list]:
+    """probe(rate) -> passes. Brackets from `initial` (doubling up while it passes,
+    halving down while it fails), then bisects until the bracket is within rel_tol or
+    the probes are spent. Returns (highest passing rate or None, [(rate, passed), ...])."""
+    history: list[tuple[float, bool]] = []
+
+    def run(rate: float) -> bool:
+        ok = bool(probe(rate))
+        history.append((rate, ok))
+        return ok
+
+    lo, hi = None, None  # highest pass, lowest fail
+    rate = initial
+    while len(history) < max_probes:
+        if run(rate):
+            lo = rate
+            if hi is not None:
+                break
+            if rate * 2 > max_rate:
+                return lo, history
+            rate *= 2
+        else:
+            hi = rate
+            if lo is not None:
+                break
+            if rate / 2 < min_rate:
+                return None, history
+            rate /= 2
+    while lo is not None and hi is not None and len(history) < max_probes and (hi - lo) / hi > rel_tol:
+        mid = (lo + hi) / 2
+        if run(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, history

@@ -1,0 +1,451 @@
+"""python -m benchmarks {run,capacity,compare,roofline,model-dir} ...
+
+run       one load run against --router HOST:PORT or a stack it starts (--start-stack)
+capacity  highest Poisson rate within p99 TBT SLO and p50 scheduling delay <= 2 s
+compare   policies x loads (fractions of a capacity, or absolute rates), CDFs overlaid
+roofline  hardware limit of a model shape and workload
+model-dir write a config-only model folder of a known shape (dummy weights on the replica)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import RESULTS
+from benchmarks.harness import capacity as cap
+from benchmarks.harness import metrics as M
+from benchmarks.harness import plots, roofline
+from benchmarks.harness.loadgen import run_requests
+from benchmarks.harness.stack import Stack
+from benchmarks.harness.workload import PRESETS, WorkloadSpec, generate, vocab_size_of
+
+POLICIES = ("pull", "round_robin", "least_outstanding")
+
+
+# ---------------------------------------------------------------- arguments
+def add_workload_args(p):
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", default="synthetic", choices=("synthetic", "trace", *PRESETS))
+    g.add_argument("--trace", help="CSV with prompt/output length columns and optional arrival_s")
+    g.add_argument("--num-requests", "-n", type=int, default=100)
+    g.add_argument("--scale", type=float, default=1.0, help="multiply preset/trace lengths (tiny model: 0.125)")
+    g.add_argument("--max-total", type=int, help="prompt + output limit; default: the preset's times --scale")
+    for what, length, lo, hi in (("prompt", 128, 16, 512), ("output", 64, 8, 256)):
+        g.add_argument(f"--{what}-dist", default="fixed", choices=("fixed", "uniform", "zipf"))
+        g.add_argument(f"--{what}-len", type=int, default=length, help="fixed length")
+        g.add_argument(f"--{what}-min", type=int, default=lo)
+        g.add_argument(f"--{what}-max", type=int, default=hi)
+    g.add_argument("--zipf-theta", type=float, default=1.2)
+    g.add_argument("--arrival", default="poisson", choices=("poisson", "gamma", "burst", "trace"))
+    g.add_argument("--rate", type=float, help="requests/s; unset: all at once")
+    g.add_argument("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--vocab-size", type=int, help="default: the model's config.json (512 without one)")
+
+
+def add_target_args(p):
+    g = p.add_argument_group("system under test")
+    g.add_argument("--router", help="HOST:PORT of a live router")
+    g.add_argument("--metrics-url", help="router's /metrics URL, scraped for quadriga_inflight_requests")
+    g.add_argument("--start-stack", action="store_true", help="start `python -m stack` for the run")
+    g.add_argument("--policy", default="pull", choices=POLICIES)
+    g.add_argument("--replicas", type=int, default=2)
+    g.add_argument("--model", help="model folder (default with --start-stack: the tiny model)")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--scheduler", help="replica scheduler (sarathi, vllm, ...)")
+    g.add_argument("--replica-arg", action="append", default=[], help="passed to every replica")
+    g.add_argument("--stack-arg", action="append", default=[], help="passed to python -m stack")
+    g.add_argument("--stack-log-dir")
+    g.add_argument("--channels", type=int, default=2)
+    g.add_argument("--stream-interval", type=int, default=1)
+    g.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    g.add_argument("--warmup", type=int, default=4, help="unmeasured requests sent first (per stack)")
+    g.add_argument("--no-progress", action="store_true")
+
+
+def add_slo_args(p):
+    g = p.add_argument_group("SLO")
+    g.add_argument("--ttft-slo", type=float, default=1.0, help="seconds")
+    g.add_argument("--tbt-slo", type=float, default=0.1, help="seconds")
+    g.add_argument("--tbt-slo-stat", default="p99", choices=("p99", "max", "mean"),
+                   help="per-request TBT statistic for goodput")
+    g.add_argument("--sched-delay-slo", type=float, default=2.0, help="capacity: p50 scheduling delay bound")
+
+
+def add_hw_args(p):
+    g = p.add_argument_group("roofline")
+    g.add_argument("--hardware", default="cpu", choices=("cpu", "h200", "none"),
+                   help="cpu: measured memcpy and torch matmul here; h200: 4.3 TB/s, 790 TFLOP/s")
+    g.add_argument("--bandwidth", type=float, help="bytes/s (overrides --hardware)")
+    g.add_argument("--flops", type=float, help="FLOP/s (overrides --hardware)")
+    g.add_argument("--dtype-bytes", type=int, help="default: from config (float32 4, else 2)")
+    g.add_argument("--roofline-batch", type=int, help="decode batch; default: --max-num-seqs replica arg or 128")
+
+
+def add_output_args(p, default_name):
+    g = p.add_argument_group("output")
+    g.add_argument("--name", default=default_name, help="file stem of the results")
+    g.add_argument("--out-dir", default=str(RESULTS / "harness"), help="per-request CSVs and detail PNGs")
+    g.add_argument("--summary-dir", default=None, help="summary JSON/PNG (default: --out-dir)")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="one load run")
+    add_workload_args(r), add_target_args(r), add_slo_args(r), add_hw_args(r), add_output_args(r, "run")
+    c = sub.add_parser("capacity", help="capacity search")
+    add_workload_args(c), add_target_args(c), add_slo_args(c), add_hw_args(c), add_output_args(c, "capacity")
+    c.add_argument("--initial-rate", type=float, default=2.0)
+    c.add_argument("--max-probes", type=int, default=7)
+    c.add_argument("--rel-tol", type=float, default=0.1)
+    m = sub.add_parser("compare", help="policies x loads")
+    add_workload_args(m), add_target_args(m), add_slo_args(m), add_hw_args(m), add_output_args(m, "compare")
+    m.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    m.add_argument("--capacity", type=float, help="req/s that --loads are fractions of")
+    m.add_argument("--find-capacity", action="store_true", help="search it first with the first policy")
+    m.add_argument("--loads", nargs="+", type=float, default=[0.7, 0.9])
+    m.add_argument("--rates", nargs="+", type=float, help="absolute rates instead of --loads")
+    m.add_argument("--initial-rate", type=float, default=2.0)
+    m.add_argument("--max-probes", type=int, default=7)
+    m.add_argument("--rel-tol", type=float, default=0.1)
+    m.add_argument("--capacity-requests", type=int, help="requests per capacity probe (default -n)")
+    f = sub.add_parser("roofline", help="hardware limit of a shape and workload")
+    add_workload_args(f), add_hw_args(f)
+    f.add_argument("--model", help="model folder or config.json")
+    f.add_argument("--replicas", type=int, default=1)
+    f.add_argument("--replica-arg", action="append", default=[])
+    d = sub.add_parser("model-dir", help="config-only model folder of a known shape")
+    d.add_argument("out")
+    d.add_argument("--shape", default="llama-3.1-8b", choices=("llama-3.1-8b",))
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------- helpers
+def reproduce_command() -> str:
+    return " ".join(shlex.quote(a) for a in ["python", "-m", "benchmarks", *sys.argv[1:]])
+
+
+def write_json(path: Path, payload: dict) -> Path:
+    """Same header as benchmarks.common.save_result (command, when, machine), any path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"command": reproduce_command(),
+               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "machine": {"platform": platform.platform(), "python": platform.python_version()},
+               **payload}
+    path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    return path
+
+
+def _json_default(o):
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(type(o))
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def resolve_model(a) -> str | None:
+    if getattr(a, "model", None):
+        return a.model
+    if getattr(a, "start_stack", False) or a.cmd == "roofline":
+        from stack.__main__ import default_model
+        return default_model()
+    return None
+
+
+def spec_from(a, model: str | None) -> WorkloadSpec:
+    return WorkloadSpec(
+        num_requests=a.num_requests, workload=a.workload, trace=a.trace, prompt_dist=a.prompt_dist,
+        prompt_len=a.prompt_len, prompt_min=a.prompt_min, prompt_max=a.prompt_max,
+        output_dist=a.output_dist, output_len=a.output_len, output_min=a.output_min,
+        output_max=a.output_max, zipf_theta=a.zipf_theta, scale=a.scale, max_total=a.max_total,
+        arrival=a.arrival, rate=a.rate, cv=a.cv, seed=a.seed,
+        vocab_size=a.vocab_size or vocab_size_of(model))
+
+
+def slo_from(a) -> M.SLO:
+    return M.SLO(a.ttft_slo, a.tbt_slo, a.tbt_slo_stat, a.sched_delay_slo)
+
+
+def _replica_flag(args: list[str], flag: str) -> str | None:
+    for i, x in enumerate(args):
+        if x == flag and i + 1 < len(args):
+            return args[i + 1]
+        if x.startswith(flag + "="):
+            return x.split("=", 1)[1]
+    return None
+
+
+_HW_CACHE: dict = {}
+
+
+def hardware_from(a) -> roofline.Hardware | None:
+    if a.hardware == "none" and not (a.bandwidth and a.flops):
+        return None
+    if a.hardware not in _HW_CACHE:
+        _HW_CACHE[a.hardware] = (roofline.measure_cpu() if a.hardware == "cpu"
+                                 else roofline.Hardware(**roofline.H200, name="h200 (datasheet)")
+                                 if a.hardware == "h200" else None)
+    base = _HW_CACHE[a.hardware]
+    bw = a.bandwidth or (base.bandwidth_Bps if base else None)
+    fl = a.flops or (base.flops if base else None)
+    name = base.name if base and not (a.bandwidth or a.flops) else "given"
+    return roofline.Hardware(bw, fl, name)
+
+
+def limit_for(a, model: str | None, requests) -> dict | None:
+    hw = hardware_from(a)
+    if hw is None or not model or not requests:
+        return None
+    try:
+        shape = roofline.Shape.from_config(model, a.dtype_bytes)
+    except (OSError, KeyError, ValueError) as exc:
+        log(f"roofline skipped: {exc}")
+        return None
+    batch = a.roofline_batch or int(_replica_flag(a.replica_arg, "--max-num-seqs") or 128)
+    return roofline.workload_limit(
+        shape, hw, mean_prompt=sum(r.prompt_len for r in requests) / len(requests),
+        mean_output=sum(r.output_len for r in requests) / len(requests), batch=batch,
+        replicas=getattr(a, "replicas", 1))
+
+
+class Target:
+    """A live router, or a stack started (and stopped) here."""
+
+    def __init__(self, a, policy: str | None = None, model: str | None = None):
+        self.a, self.policy, self.model = a, policy or a.policy, model
+        self.stack: Stack | None = None
+        self.address, self.metrics_url = a.router, a.metrics_url
+
+    def __enter__(self):
+        a = self.a
+        if a.start_stack:
+            log(f"starting stack: {a.replicas} replicas, policy {self.policy}")
+            self.stack = Stack(replicas=a.replicas, policy=self.policy, model=self.model,
+                               replica_args=a.replica_arg, device=a.device, scheduler=a.scheduler,
+                               extra_args=a.stack_arg, log_dir=a.stack_log_dir and
+                               str(Path(a.stack_log_dir) / self.policy)).start()
+            self.address, self.metrics_url = self.stack.address, self.stack.metrics_url
+            log(f"stack ready at {self.address} (logs {self.stack.log_dir})")
+        elif not self.address:
+            raise SystemExit("give --router HOST:PORT or --start-stack")
+        if a.warmup:
+            spec = spec_from(a, self.model)
+            spec.num_requests, spec.seed, spec.workload = a.warmup, spec.seed + 10_000, "synthetic"
+            spec.prompt_dist = spec.output_dist = "fixed"
+            spec.prompt_len, spec.output_len = 32, 8
+            self.run(generate(spec, rate=0), "warmup", progress=False)
+        return self
+
+    def run(self, requests, label: str, progress: bool = True):
+        a = self.a
+        return asyncio.run(run_requests(
+            self.address, requests, channels=a.channels, stream_interval=a.stream_interval,
+            timeout=a.timeout, metrics_url=self.metrics_url, label=label,
+            progress=progress and not a.no_progress))
+
+    def __exit__(self, *exc):
+        if self.stack:
+            self.stack.stop()
+            log("stack stopped")
+
+
+def measured(target: Target, a, model, requests, label: str, slo: M.SLO, out_dir: Path, stem: str):
+    """One run: aggregates (with the roofline), CSV and plots; returns (summary, results)."""
+    results, scrapes, wall = target.run(requests, label)
+    summary = M.aggregate(results, wall, slo)
+    limit = limit_for(a, model, requests)
+    if limit:
+        roofline.attach(summary, limit)
+    M.write_csv(out_dir / f"{stem}.csv", results)
+    plots.cdf_plot(out_dir / f"{stem}-cdf.png", {label: results}, title=label)
+    plots.load_plot(out_dir / f"{stem}-load.png", M.inflight_timeline(results), scrapes,
+                    title=f"{label}: requests in flight per replica")
+    summary["files"] = {"csv": str(out_dir / f"{stem}.csv"), "cdf_png": str(out_dir / f"{stem}-cdf.png"),
+                        "load_png": str(out_dir / f"{stem}-load.png")}
+    log(line(label, summary))
+    return summary, results
+
+
+def line(label: str, s: dict) -> str:
+    def ms(d, k):
+        v = d.get(k)
+        return "-" if v is None else f"{v * 1000:.0f}"
+    roof = s.get("roofline")
+    roof_txt = f", {roof['fraction_of_limit_output_tok_s'] * 100:.1f}% of roofline" if roof else ""
+    return (f"{label}: {s['finished']}/{s['requests']} ok ({s['exact_output_length']} exact), "
+            f"{s['throughput_req_s']:.2f} req/s, {s['throughput_output_tok_s']:.0f} out tok/s{roof_txt}; "
+            f"TTFT p50/p99 {ms(s['ttft_s'], 'p50')}/{ms(s['ttft_s'], 'p99')} ms, "
+            f"TBT p99 {ms(s['tbt_s'], 'p99')} ms, e2e p50/p99 {ms(s['e2e_s'], 'p50')}/{ms(s['e2e_s'], 'p99')} ms, "
+            f"sched delay p50 {ms(s['server_scheduling_delay_s'], 'p50')} ms, "
+            f"goodput {s['goodput']['share'] * 100 if s['goodput']['share'] is not None else 0:.0f}%")
+
+
+# ---------------------------------------------------------------- commands
+def cmd_run(a) -> int:
+    model = resolve_model(a)
+    spec, slo = spec_from(a, model), slo_from(a)
+    requests = generate(spec)
+    out_dir = Path(a.out_dir)
+    with Target(a, model=model) as t:
+        summary, results = measured(t, a, model, requests, f"{t.policy} {a.name}", slo, out_dir, a.name)
+    write_json(Path(a.summary_dir or out_dir) / f"{a.name}.json",
+               {"kind": "run", "target": target_desc(a, t.policy), "workload": spec.describe(),
+                "summary": summary})
+    return 0 if summary["errors"] == 0 else 1
+
+
+def target_desc(a, policy) -> dict:
+    return {"router": a.router, "start_stack": a.start_stack, "policy": policy, "replicas": a.replicas,
+            "model": a.model or ("tiny-llama (built offline)" if a.start_stack else None),
+            "device": a.device, "scheduler": a.scheduler, "replica_args": a.replica_arg}
+
+
+def find_capacity(a, target: Target, model, spec: WorkloadSpec, slo: M.SLO, out_dir: Path,
+                  num_requests: int | None = None) -> dict:
+    probes = []
+
+    def probe(rate: float) -> bool:
+        sp = WorkloadSpec(**{**spec.describe(), "num_requests": num_requests or spec.num_requests})
+        reqs = generate(sp, rate=rate)
+        stem = f"{a.name}-probe-{rate:.3f}"
+        summary, _ = measured(target, a, model, reqs, f"probe {rate:.2f} req/s", slo, out_dir, stem)
+        ok, why = cap.probe_passes(summary, slo.tbt_s, slo.sched_delay_p50_s)
+        log(f"  probe {rate:.3f} req/s: {'PASS' if ok else 'fail'} ({why})")
+        probes.append({"rate": rate, "passed": ok, "why": why, "summary": summary})
+        return ok
+
+    best, history = cap.search(probe, a.initial_rate, max_probes=a.max_probes, rel_tol=a.rel_tol)
+    log(f"capacity: {best} req/s after {len(history)} probes")
+    return {"capacity_req_s": best, "rule": {"tbt_p99_s": slo.tbt_s, "sched_delay_p50_s": slo.sched_delay_p50_s},
+            "history": history, "probes": probes}
+
+
+def cmd_capacity(a) -> int:
+    model = resolve_model(a)
+    spec, slo = spec_from(a, model), slo_from(a)
+    out_dir = Path(a.out_dir)
+    with Target(a, model=model) as t:
+        result = find_capacity(a, t, model, spec, slo, out_dir)
+    write_json(Path(a.summary_dir or out_dir) / f"{a.name}.json",
+               {"kind": "capacity", "target": target_desc(a, t.policy), "workload": spec.describe(), **result})
+    return 0 if result["capacity_req_s"] else 1
+
+
+def cmd_compare(a) -> int:
+    model = resolve_model(a)
+    spec, slo = spec_from(a, model), slo_from(a)
+    out_dir, summary_dir = Path(a.out_dir), Path(a.summary_dir or a.out_dir)
+    capacity_result = None
+    runs: dict[float, dict[str, list]] = {}
+    summaries: dict[str, dict[str, dict]] = {}
+    rates = a.rates
+    for i, policy in enumerate(a.policies):
+        with Target(a, policy=policy, model=model) as t:
+            if rates is None:
+                if a.capacity is None and a.find_capacity and capacity_result is None:
+                    capacity_result = find_capacity(a, t, model, spec, slo, out_dir, a.capacity_requests)
+                    a.capacity = capacity_result["capacity_req_s"]
+                    if not a.capacity:
+                        raise SystemExit("no passing rate found; lower --initial-rate")
+                if a.capacity is None:
+                    raise SystemExit("give --rates, --capacity or --find-capacity")
+                rates = [a.capacity * f for f in a.loads]
+            for j, rate in enumerate(rates):
+                key = f"{a.loads[j] * 100:.0f}%" if a.rates is None else f"{rate:g} req/s"
+                stem = f"{a.name}-{policy}-{key.replace('%', 'pct').replace(' ', '').replace('/', '')}"
+                reqs = generate(spec, rate=rate)
+                summary, results = measured(t, a, model, reqs, f"{policy} @ {key} ({rate:.2f} req/s)",
+                                            slo, out_dir, stem)
+                summary["rate_req_s"] = rate
+                summaries.setdefault(key, {})[policy] = summary
+                runs.setdefault(key, {})[policy] = results
+    pngs = {}
+    for key, by_policy in runs.items():
+        safe = key.replace("%", "pct").replace(" ", "").replace("/", "")
+        pngs[key] = str(plots.cdf_plot(summary_dir / f"{a.name}-{safe}-cdf.png", by_policy,
+                                       metrics=("ttft", "tbt", "e2e"), title=f"load {key}"))
+    bars = [(f"{k} {m}", {p: s[f"{m.split()[0]}_s"]["p99" if "p99" in m else "p50"] for p, s in v.items()})
+            for k, v in summaries.items() for m in ("ttft p50", "ttft p99")]
+    pngs["ttft_bars"] = str(plots.bar_plot(summary_dir / f"{a.name}-ttft.png", bars, "TTFT (s)",
+                                           "TTFT per policy and load"))
+    table = {k: {p: {"rate_req_s": s["rate_req_s"], "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p99_s": s["ttft_s"]["p99"],
+                     "e2e_p50_s": s["e2e_s"]["p50"], "e2e_p99_s": s["e2e_s"]["p99"], "tbt_p99_s": s["tbt_s"]["p99"],
+                     "throughput_req_s": s["throughput_req_s"], "goodput_share": s["goodput"]["share"],
+                     "errors": s["errors"], "requests_per_replica": s["requests_per_replica"],
+                     "fraction_of_roofline_output_tok_s": (s.get("roofline") or {}).get("fraction_of_limit_output_tok_s")}
+                 for p, s in v.items()} for k, v in summaries.items()}
+    target = None
+    if "pull" in a.policies and "round_robin" in a.policies:
+        target = {}
+        for k, v in summaries.items():
+            pull, rr = v["pull"]["ttft_s"]["p99"], v["round_robin"]["ttft_s"]["p99"]
+            target[k] = {"pull_ttft_p99_s": pull, "round_robin_ttft_p99_s": rr,
+                         "ratio": pull / rr if pull and rr else None,
+                         "pull_at_most_half": bool(pull and rr and pull <= 0.5 * rr)}
+    for k, v in table.items():
+        for p, row in v.items():
+            log(f"{k:>8} {p:<18} TTFT p50 {row['ttft_p50_s']:.3f} p99 {row['ttft_p99_s']:.3f}  "
+                f"e2e p50 {row['e2e_p50_s']:.3f} p99 {row['e2e_p99_s']:.3f}  ({row['throughput_req_s']:.2f} req/s)")
+    if target:
+        log(f"pull p99 TTFT <= 1/2 round_robin: {json.dumps(target)}")
+    write_json(summary_dir / f"{a.name}.json",
+               {"kind": "compare", "target": target_desc(a, None), "workload": spec.describe(),
+                "slo": slo.__dict__, "capacity": capacity_result and {k: v for k, v in capacity_result.items()},
+                "capacity_req_s": a.capacity, "table": table, "pull_vs_round_robin": target, "plots": pngs,
+                "runs": summaries})
+    return 0
+
+
+def cmd_roofline(a) -> int:
+    model = resolve_model(a)
+    reqs = generate(spec_from(a, model))
+    limit = limit_for(a, model, reqs)
+    print(json.dumps(limit, indent=2))
+    return 0
+
+
+def cmd_model_dir(a) -> int:
+    """Llama-3.1-8B's config with the tiny model's tokenizer: the replica loads dummy
+    weights (--load-format dummy) and prompts are token ids, so no download is needed."""
+    import shutil
+
+    import transformers
+
+    from stack.__main__ import default_model
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+        rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        rms_norm_eps=1e-5, torch_dtype="bfloat16",
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ).save_pretrained(str(out))
+    tiny = Path(default_model())
+    for f in tiny.iterdir():
+        if "token" in f.name or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+    print(out)
+    return 0
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    return {"run": cmd_run, "capacity": cmd_capacity, "compare": cmd_compare,
+            "roofline": cmd_roofline, "model-dir": cmd_model_dir}[a.cmd](a)

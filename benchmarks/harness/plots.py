@@ -1,0 +1,97 @@
+"""PNG plots (Agg): latency CDFs with several runs overlaid, per-replica load over time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+DPI = 100
+
+
+def _cdf(ax, values, label):
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return
+    ys = [(i + 1) / len(xs) for i in range(len(xs))]
+    ax.step(xs, ys, where="post", label=f"{label} (n={len(xs)})")
+
+
+def cdf_plot(path: Path, runs: dict[str, object], metrics=("ttft", "tbt", "e2e"), title: str = "") -> Path:
+    """runs: label -> list of loadgen.Result; one panel per metric, one line per run."""
+    getters = {
+        "ttft": ("TTFT (s)", lambda rs: [r.ttft for r in rs if r.ok]),
+        "tbt": ("time between tokens (s)", lambda rs: [g for r in rs if r.ok for g in r.tbts]),
+        "e2e": ("end-to-end (s)", lambda rs: [r.e2e for r in rs if r.ok]),
+        "e2e_norm": ("end-to-end per output token (s)",
+                     lambda rs: [r.e2e / r.output_tokens for r in rs if r.ok and r.output_tokens]),
+    }
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.4), squeeze=False)
+    for ax, m in zip(axes[0], metrics):
+        xlabel, get = getters[m]
+        for label, rs in runs.items():
+            _cdf(ax, get(rs), label)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("CDF")
+        ax.grid(alpha=0.3)
+        if m == "tbt":
+            ax.set_xscale("log")
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def load_plot(path: Path, timeline, scrapes=None, title: str = "") -> Path:
+    """timeline: (times, {replica: counts}) from metrics.inflight_timeline; scrapes: the
+    router's quadriga_inflight_requests samples [(t, {replica: value})], drawn dashed."""
+    times, series = timeline
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for rep, counts in series.items():
+        ax.step(times, counts, where="post", label=f"{rep} (client view)")
+    if scrapes:
+        reps = sorted({k for _, v in scrapes for k in v})
+        for rep in reps:
+            ax.plot([t for t, _ in scrapes], [v.get(rep, 0) for _, v in scrapes], "--",
+                    label=f"{rep} (router metric)", alpha=0.7)
+    ax.set_xlabel("time since start (s)")
+    ax.set_ylabel("requests in flight")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def bar_plot(path: Path, rows: list[tuple[str, dict[str, float]]], ylabel: str, title: str = "") -> Path:
+    """rows: (group label, {series: value}); grouped bars, e.g. p99 TTFT per load per policy."""
+    import numpy as np
+
+    series = sorted({k for _, d in rows for k in d})
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    width = 0.8 / max(1, len(series))
+    x = np.arange(len(rows))
+    for i, s in enumerate(series):
+        ax.bar(x + i * width, [d.get(s, 0) or 0 for _, d in rows], width, label=s)
+    ax.set_xticks(x + width * (len(series) - 1) / 2)
+    ax.set_xticklabels([g for g, _ in rows], fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path

@@ -1,0 +1,32 @@
+"""One short live run: the harness starts a stack (2 replicas, tiny model), sends
+10 requests and writes JSON, CSV and PNGs; every request ends with its exact length."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_harness_live_run(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks", "run", "--start-stack", "--replicas", "2", "-n", "10",
+           "--prompt-dist", "uniform", "--prompt-min", "8", "--prompt-max", "64", "--output-dist", "uniform",
+           "--output-min", "4", "--output-max", "24", "--rate", "20", "--warmup", "2", "--hardware", "none",
+           "--seed", "5", "--out-dir", str(tmp_path), "--name", "live", "--no-progress",
+           "--stack-log-dir", str(tmp_path / "logs")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("live.json", "live.csv", "live-cdf.png", "live-load.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    result = json.loads((tmp_path / "live.json").read_text())
+    s = result["summary"]
+    assert result["command"].startswith("python -m benchmarks run")
+    assert s["requests"] == 10 and s["finished"] == 10 and s["exact_output_length"] == 10, s
+    rows = list(csv.DictReader(open(tmp_path / "live.csv")))
+    assert len(rows) == 10
+    for row in rows:
+        assert row["finish_reason"] == "length" and row["output_tokens"] == row["output_len"]
+        assert row["replica"].startswith("replica-") and float(row["ttft_s"]) > 0
+    assert s["ttft_s"]["p50"] is not None and s["tbt_s"]["n"] > 0
