@@ -128,7 +128,13 @@ class ReplicaWorker:
             auth_token=self.config.auth_token,
             held_request_ids=list(self.book.live),
         )))
-        first = await call.read()
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in FATAL_CODES:
+                raise FatalRegistrationError(
+                    f"router refused registration: {exc.code().name}: {exc.details()}") from None
+            raise
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "registered":
             await self._raise_registration_failure(call)
         await self._on_registered(call, first.registered)

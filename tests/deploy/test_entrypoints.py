@@ -220,11 +220,7 @@ def test_replica_with_a_wrong_token_is_refused(services, models, redis_url):
         logs = router.stdout.read() + replica.stdout.read()
         assert "not-the-token" not in logs
         assert services["router-cpu"]["environment"]["QUADRIGA_REPLICA_TOKEN"] not in logs
-        if code is None:
-            pytest.xfail("replica_worker retries forever after UNAUTHENTICATED: the abort surfaces "
-                         "as AioRpcError from call.read() in ReplicaClient._session, which "
-                         "_connect_forever logs as 'router stream broke' instead of raising "
-                         "FatalRegistrationError")
+        assert code is not None, "a replica refused registration must exit, not retry forever"
         assert code != 0
     finally:
         if replica is not None:

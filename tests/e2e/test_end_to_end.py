@@ -1,0 +1,136 @@
+"""The whole system as processes: router, Redis, two real replica engines.
+
+Outputs are checked token for token against transformers' greedy generation.
+"""
+
+import asyncio
+import signal
+
+import grpc
+import pytest
+
+from client.api import aio_channel, make_request
+from common.pb.quadriga.v1 import generation_pb2 as pb
+from common.pb.quadriga.v1 import generation_pb2_grpc
+
+POLICIES = ["pull", "round_robin", "least_outstanding"]
+PROMPTS = [[5 + i, 17, 230 - i, 9, 44 + 3 * i] + list(range(60, 60 + 7 * i)) for i in range(8)]
+
+
+async def generate(address, prompt, max_tokens, **kw):
+    """Streams one request; returns (token ids, final message, offsets seen)."""
+    async with aio_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        tokens, offsets, last = [], [], None
+        async for msg in stub.Generate(make_request(prompt, max_tokens=max_tokens, temperature=0.0,
+                                                    ignore_eos=True, **kw), timeout=120):
+            assert msg.output_offset == len(tokens), "a gap or a duplicate reached the client"
+            offsets.append(msg.output_offset)
+            tokens.extend(msg.token_ids)
+            last = msg
+        return tokens, last
+
+
+async def generate_all(address, prompts, max_tokens):
+    return await asyncio.gather(*(generate(address, p, max_tokens) for p in prompts))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_greedy_outputs_equal_transformers_on_two_replicas(live_stack, hf_reference, policy):
+    stack = live_stack(policy)
+    # Four seats each: neither replica can take all eight requests at once.
+    stack.start_replica("r0", "--max-num-seqs", "4")
+    stack.start_replica("r1", "--max-num-seqs", "4")
+    results = asyncio.run(generate_all(stack.address, PROMPTS, 20))
+    replicas = set()
+    for prompt, (tokens, last) in zip(PROMPTS, results):
+        assert tokens == hf_reference(prompt, 20)
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
+        assert last.timings.output_tokens == 20
+        replicas.add(last.timings.replica_id)
+    assert replicas == {"r0", "r1"}, "both replicas should have served"
+
+
+def test_replica_killed_mid_generation_loses_nothing(live_stack, hf_reference):
+    stack = live_stack("pull")
+    stack.start_replica("r0", "--max-num-seqs", "4")
+    stack.start_replica("r1", "--max-num-seqs", "4")
+    max_tokens = 300
+
+    async def scenario():
+        tasks = [asyncio.create_task(generate(stack.address, p, max_tokens)) for p in PROMPTS]
+        # Kill r0 once it has surely produced output for some requests.
+        for _ in range(400):
+            await asyncio.sleep(0.05)
+            if "registered" in stack.replicas["r0"].tail() and any(not t.done() for t in tasks):
+                log = stack.router.tail(50)
+                break
+        await asyncio.sleep(0.8)
+        stack.replicas["r0"].proc.send_signal(signal.SIGKILL)
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(scenario())
+    requeued = 0
+    for prompt, (tokens, last) in zip(PROMPTS, results):
+        assert tokens == hf_reference(prompt, max_tokens)
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
+        requeued += last.timings.requeues
+    assert requeued > 0, "the kill should have moved some requests to r1"
+
+
+def test_replica_joining_under_load_takes_work(live_stack, hf_reference):
+    stack = live_stack("pull")
+    stack.start_replica("r0", "--max-num-seqs", "2")
+    prompts = PROMPTS * 2
+
+    async def scenario():
+        tasks = [asyncio.create_task(generate(stack.address, p, 60)) for p in prompts]
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(stack.start_replica, "r1")
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(scenario())
+    assert {last.timings.replica_id for _, last in results} == {"r0", "r1"}
+    for prompt, (tokens, _) in zip(prompts, results):
+        assert tokens == hf_reference(prompt, 60)
+
+
+def test_cancel_and_bad_input_disturb_no_one(live_stack, hf_reference):
+    stack = live_stack("pull")
+    stack.start_replica("r0")
+
+    async def scenario():
+        good = asyncio.create_task(generate(stack.address, PROMPTS[1], 40))
+        victim = asyncio.create_task(generate(stack.address, PROMPTS[2], 900, request_id="victim"))
+        async with aio_channel(stack.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                async for _ in stub.Generate(make_request([1, 2, 10**6], max_tokens=5)):
+                    pass
+            await asyncio.sleep(0.5)
+            cancelled = await stub.Cancel(pb.CancelRequest(request_id="victim"))
+        return await good, await victim, bad.value, cancelled
+
+    (good_tokens, _), (_, victim_last), bad, cancelled = asyncio.run(scenario())
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "vocab" in bad.details()
+    assert cancelled.cancelled
+    assert victim_last.finish_reason == pb.FINISH_REASON_CANCELLED
+    assert good_tokens == hf_reference(PROMPTS[1], 40)
+
+
+def test_sigterm_drains_and_exits_cleanly(live_stack, hf_reference):
+    stack = live_stack("pull")
+    r0 = stack.start_replica("r0", "--drain-timeout", "30")
+
+    async def scenario():
+        tasks = [asyncio.create_task(generate(stack.address, p, 80)) for p in PROMPTS[:4]]
+        await asyncio.sleep(0.5)
+        r0.proc.send_signal(signal.SIGTERM)
+        stack.start_replica("r1", wait=False)
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(scenario())
+    for prompt, (tokens, _) in zip(PROMPTS, results):
+        assert tokens == hf_reference(prompt, 80)
+    assert r0.proc.wait(30) == 0
