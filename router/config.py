@@ -26,7 +26,10 @@ class RouterConfig:
     no_replica_timeout: float = 30.0   # seconds a request waits for a first replica
     lease_ttl: float = 10.0
     heartbeat_interval: float = 2.0
-    replica_token: str = ""
+    replica_token: str = ""            # shared secret replicas present at Register
+    api_keys: str = ""                 # comma-separated client API keys; empty: no check
+    tls_cert_file: str = ""            # PEM certificate chain; with tls_key_file: TLS on the gRPC port
+    tls_key_file: str = ""
     stream_interval: int = 1           # used when a request asks for 0
     result_ttl: float = 300.0          # finished results stay in Redis this long
     register_timeout: float = 10.0
@@ -61,17 +64,43 @@ class RouterConfig:
             problems.append("tokenizer_threads must be at least 1")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             problems.append(f"redis_url: {self.redis_url!r} is not a redis:// URL")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            problems.append("TLS needs both tls_cert_file and tls_key_file")
+        for name in ("tls_cert_file", "tls_key_file"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                problems.append(f"{name}: {path} is not a readable file")
+        if self.api_keys and not self.api_key_set:
+            problems.append("api_keys: give comma-separated, non-empty keys")
         if problems:
             raise ValueError("invalid router config: " + "; ".join(problems))
+
+    @property
+    def api_key_set(self) -> frozenset[str]:
+        return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
+
+    def __repr__(self) -> str:
+        # Secrets never reach a log line through the config's repr.
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        for secret in SECRET_FIELDS:
+            if shown[secret]:
+                shown[secret] = "***"
+        return "RouterConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
     @property
     def served_model_name(self) -> str:
         return self.model_name or Path(self.model).name
 
 
+SECRET_FIELDS = ("replica_token", "api_keys")
+
+
 def _env_name(field_name: str) -> str:
+    # Names shared with replicas and tools have no ROUTER_ infix.
     special = {"port": "ROUTER_PORT", "host": "ROUTER_HOST", "model": "MODEL",
-               "redis_url": "REDIS_URL", "redis_prefix": "REDIS_PREFIX"}
+               "redis_url": "REDIS_URL", "redis_prefix": "REDIS_PREFIX",
+               "replica_token": "REPLICA_TOKEN", "api_keys": "API_KEYS",
+               "tls_cert_file": "TLS_CERT_FILE", "tls_key_file": "TLS_KEY_FILE"}
     return ENV_PREFIX + special.get(field_name, "ROUTER_" + field_name.upper())
 
 

@@ -47,7 +47,7 @@ class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
             self.core.metrics.rejections.labels("replica_auth").inc()
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "replica auth_token is missing or wrong (router requires "
-                                "QUADRIGA_ROUTER_REPLICA_TOKEN)")
+                                "QUADRIGA_REPLICA_TOKEN)")
         if not reg.replica_id or not reg.replica_id.isprintable() or len(reg.replica_id) > 200:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "Register.replica_id must be non-empty printable text")

@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common.pb.quadriga.v1 import generation_pb2, generation_pb2_grpc, replica_pb2, replica_pb2_grpc
 from common.tokenizer import max_model_len, vocab_size
+from router.auth import ApiKeyInterceptor, server_credentials
 from router.client_api import GenerationService
 from router.config import RouterConfig
 from router.core import RouterCore
@@ -48,19 +49,27 @@ class RouterApp:
     async def start(self) -> int:
         await self.core.start()
         await recover(self.core)
-        self.server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ("grpc.keepalive_time_ms", 20_000),
-            ("grpc.http2.max_pings_without_data", 0),
-            ("grpc.keepalive_permit_without_calls", 1),
-        ])
+        keys = self.config.api_key_set
+        self.server = grpc.aio.server(
+            interceptors=[ApiKeyInterceptor(keys)] if keys else None,
+            options=[
+                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                ("grpc.keepalive_time_ms", 20_000),
+                ("grpc.http2.max_pings_without_data", 0),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ])
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(self.core), self.server)
         replica_pb2_grpc.add_ReplicaGatewayServicer_to_server(
             ReplicaGateway(self.core, self.ops), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls_cert_file:
+            creds = server_credentials(self.config.tls_cert_file, self.config.tls_key_file)
+            self.port = self.server.add_secure_port(address, creds)
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
         await self.server.start()
@@ -69,8 +78,10 @@ class RouterApp:
         if self.config.metrics_port:
             self.metrics_http = self.metrics.serve(self.config.metrics_port)
         self.reaper.start()
-        log.info("router listening on port %d (policy %s, model %s)", self.port,
-                 self.config.policy, self.config.served_model_name)
+        log.info("router listening on port %d (policy %s, model %s, %s, %s)", self.port,
+                 self.config.policy, self.config.served_model_name,
+                 "TLS" if self.config.tls_cert_file else "plaintext",
+                 f"{len(keys)} API keys" if keys else "no API keys")
         return self.port
 
     async def stop(self, grace: float = 1.0) -> None:

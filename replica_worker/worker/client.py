@@ -76,8 +76,18 @@ class ReplicaWorker:
             self._check_drained()
 
     def _check_drained(self) -> None:
-        if self.draining and not self.book.live:
+        if self.draining and not self.book.live and not self._done.is_set():
             self._done.set()
+            if self._call is not None:
+                # Half-close: the router ends the stream, and the session's read sees EOF.
+                asyncio.get_running_loop().create_task(self._close_call(self._call))
+
+    @staticmethod
+    async def _close_call(call) -> None:
+        try:
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass
 
     async def _connect_forever(self) -> None:
         backoff = self.config.reconnect_min_s
@@ -145,9 +155,6 @@ class ReplicaWorker:
                 if msg is grpc.aio.EOF:
                     return
                 await self._on_router_message(msg)
-                if self._done.is_set():
-                    await call.done_writing()
-                    return
         finally:
             heartbeat.cancel()
 
@@ -229,8 +236,6 @@ class ReplicaWorker:
             log.info("drain timeout: handing back %d requests", len(ids))
             await call.write(pb.ReplicaMessage(hand_back=pb.HandBack(request_ids=ids)))
         self._check_drained()
-        if self._done.is_set():
-            await call.done_writing()
 
     # ---- engine reports -> StepOutputs and Pull ----
     async def _pump_reports(self) -> None:

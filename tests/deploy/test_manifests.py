@@ -20,8 +20,7 @@ BIN = Path(sys.executable).parent
 OVERLAYS = sorted(p for p in (ROOT / "k8s" / "overlays").iterdir() if p.is_dir())
 # Names the deployment sets for router features still being built; the router
 # ignores unknown environment variables, so they are harmless until then.
-PENDING_ROUTER_ENV = {"QUADRIGA_API_KEYS", "QUADRIGA_TLS_CERT_FILE", "QUADRIGA_TLS_KEY_FILE",
-                      "QUADRIGA_REPLICA_TOKEN"}
+PENDING_ROUTER_ENV: set[str] = set()  # router settings named in manifests before the router reads them
 
 
 def _tool(name: str) -> str:
