@@ -21,6 +21,7 @@ from replica_worker.worker import protocol
 from replica_worker.worker.config import WorkerConfig
 from replica_worker.worker.credit import PullCredit
 from replica_worker.worker.engine_loop import AbortRequest, EngineLoop, EngineReport
+from replica_worker.worker.metrics import ReplicaMetrics
 from replica_worker.worker.session_state import RequestBook
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class ReplicaWorker:
         self.draining = False
         self._drain_deadline = float("inf")
         self._done = asyncio.Event()
+        self.metrics = ReplicaMetrics()
 
     # ---- engine thread -> event loop ----
     def _on_report_from_thread(self, report: EngineReport) -> None:
@@ -59,6 +61,8 @@ class ReplicaWorker:
     # ---- lifecycle ----
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.config.metrics_port:
+            self.metrics.serve(self.config.metrics_port)
         self.engine_loop.start()
         pump = asyncio.create_task(self._pump_reports())
         try:
@@ -242,6 +246,7 @@ class ReplicaWorker:
         while True:
             report = await self._reports.get()
             self._last_report = report
+            self.metrics.observe(report)
             try:
                 await self._send_report(report)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:

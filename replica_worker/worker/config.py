@@ -24,6 +24,7 @@ class WorkerConfig:
     reconnect_min_s: float = 0.2
     reconnect_max_s: float = 5.0
     drain_timeout_s: float = 30.0    # on SIGTERM: finish running work for this long, then hand back
+    metrics_port: int = 0            # Prometheus endpoint; 0: none
     engine_args: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
@@ -31,6 +32,8 @@ class WorkerConfig:
             raise ValueError(f"--router must be HOST:PORT, got {self.router!r}")
         if self.scheduler not in SCHEDULER_NAMES:
             raise ValueError(f"--scheduler must be one of {SCHEDULER_NAMES}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port {self.metrics_port} is not a TCP port")
         if self.prefetch < 0 or self.drain_timeout_s < 0:
             raise ValueError("prefetch and drain timeout must be non-negative")
 
@@ -58,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--prefetch", type=int, default=int(_env("PREFETCH", 2)))
     p.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT_S", 30)))
     p.add_argument("--tls-ca-file", default=_env("TLS_CA_FILE", ""))
+    p.add_argument("--metrics-port", type=int, default=int(_env("REPLICA_METRICS_PORT", 0)))
     a = p.parse_args(argv)
     engine_args = {
         "chunk_size": a.chunk_size,
@@ -81,5 +85,6 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         tls_ca_file=a.tls_ca_file,
         prefetch=a.prefetch,
         drain_timeout_s=a.drain_timeout,
+        metrics_port=a.metrics_port,
         engine_args=tuple(sorted(engine_args.items())),
     )

@@ -5,6 +5,7 @@ Outputs are checked token for token against transformers' greedy generation.
 
 import asyncio
 import signal
+import time
 
 import grpc
 import pytest
@@ -95,9 +96,22 @@ def test_replica_joining_under_load_takes_work(live_stack, hf_reference):
         assert tokens == hf_reference(prompt, 60)
 
 
+def replica_metric(port: int, name: str) -> float | None:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
 def test_cancel_and_bad_input_disturb_no_one(live_stack, hf_reference):
+    from common.redis_server import free_port
+
     stack = live_stack("pull")
-    stack.start_replica("r0")
+    metrics_port = free_port()
+    stack.start_replica("r0", "--metrics-port", str(metrics_port))
 
     async def scenario():
         good = asyncio.create_task(generate(stack.address, PROMPTS[1], 40))
@@ -117,6 +131,13 @@ def test_cancel_and_bad_input_disturb_no_one(live_stack, hf_reference):
     assert cancelled.cancelled
     assert victim_last.finish_reason == pb.FINISH_REASON_CANCELLED
     assert good_tokens == hf_reference(PROMPTS[1], 40)
+    # The cancel reached the engine: nothing runs and every KV block is free again.
+    for _ in range(100):
+        if replica_metric(metrics_port, "quadriga_replica_running") == 0:
+            break
+        time.sleep(0.05)
+    assert replica_metric(metrics_port, "quadriga_replica_running") == 0
+    assert replica_metric(metrics_port, "quadriga_replica_kv_utilisation") == 0
 
 
 def test_sigterm_drains_and_exits_cleanly(live_stack, hf_reference):
