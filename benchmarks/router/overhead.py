@@ -1,11 +1,23 @@
 """Router overhead: latency the router adds and the request rate it sustains.
 
-Scripted replicas that answer at once (1 output token, zero step delay) run in
-their own processes, as does the router, so the router's event loop is
-measured on its own. Offered load is Poisson at several rates.
+Everything runs as separate processes: Redis, the router, scripted replicas
+that answer at once (1 output token, zero step delay) and a load generator
+(one gRPC channel, requests built before the clock starts, Poisson arrivals
+scheduled in advance). The router's event loop is what saturates.
 
     .venv/bin/python -m benchmarks.router.overhead            # writes benchmarks/results/router_overhead.json
     .venv/bin/python -m benchmarks.router.overhead --rates 100 500 --duration 5
+    .venv/bin/python -m benchmarks.router.overhead --rates 500 --profile out.txt   # py-spy on the router
+
+Definitions (also written into the JSON):
+  router_added   router accepted -> finished (RequestTimings.end_to_end_s) with a
+                 replica that takes no time: the router's own work, both Redis
+                 writes and the Assign/StepOutputs hop. This is "the latency the
+                 router adds"; it is an upper bound (the replica's gRPC handling
+                 on the same cores is in it).
+  client_e2e     client send -> last message: adds the client's gRPC stack and the
+                 client hop; an upper bound on what a user sees the router add.
+  router_cpu_ms_per_request   router process CPU (user+sys) / completed requests.
 """
 
 from __future__ import annotations
@@ -25,20 +37,22 @@ import time
 import urllib.request
 from pathlib import Path
 
-import grpc
-import redis
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from common.pb.quadriga.v1 import generation_pb2 as gpb  # noqa: E402
-from common.pb.quadriga.v1 import generation_pb2_grpc  # noqa: E402
-from common.tiny_model import build_tiny_model  # noqa: E402
-
-try:
-    from common.redis_server import RedisServer  # noqa: E402
-except ImportError:
-    from tests.support.redis_server import RedisServer  # noqa: E402
+DEFINITIONS = {
+    "router_added": "router accepted -> finished (RequestTimings.end_to_end_s) with a zero-time "
+                    "replica: router work, its Redis round trips and the Assign/StepOutputs hop; "
+                    "the latency the router adds (upper bound: the replica's gRPC handling is in it)",
+    "router_queue": "router accepted -> assigned (RequestTimings.queue_time_s)",
+    "client_e2e": "client send -> last message: adds the client's gRPC stack and the client hop",
+    "achieved_rps": "completed requests / (first send -> last completion)",
+    "router_cpu_ms_per_request": "router process user+sys CPU during the rate / completed requests",
+    "messages_per_s": "gRPC messages the router received and sent per second: client requests in, "
+                      "client responses out, replica messages in (step, pull, heartbeat) and out (assign)",
+    "redis_round_trips_per_request": "router's own count (Lua calls and pipelines) / completed",
+    "redis_commands_per_request": "INFO commandstats calls delta / completed (EVALSHA counts 1)",
+}
 
 
 def free_port() -> int:
@@ -64,52 +78,87 @@ def scrape(port: int) -> dict[str, float]:
     return totals
 
 
-def redis_calls(r: redis.Redis) -> int:
+def redis_calls(r) -> int:
     stats = r.info("commandstats")
     return sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info",))
 
 
-async def one(stub, vocab, latencies, router_e2e, failures):
-    req = gpb.GenerateRequest(prompt_token_ids=[random.randrange(vocab) for _ in range(16)],
-                              sampling=gpb.SamplingParams(max_tokens=1))
-    t0 = time.perf_counter()
-    try:
-        last = None
-        async for msg in stub.Generate(req, timeout=30):
-            last = msg
-        latencies.append(time.perf_counter() - t0)
-        router_e2e.append(last.timings.end_to_end_s)
-    except grpc.aio.AioRpcError as exc:
-        failures.append(exc.code().name)
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def offered_load(address, rate, duration, vocab):
-    latencies, router_e2e, failures, tasks = [], [], [], []
+# ---- load generator (runs in its own process: --client) ----
+
+async def _client(address: str, rate: float, duration: float, vocab: int, seed: int) -> dict:
+    import grpc
+
+    from common.pb.quadriga.v1 import generation_pb2 as gpb
+    from common.pb.quadriga.v1 import generation_pb2_grpc
+
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration:
+            break
+        times.append(t)
+    reqs = [gpb.GenerateRequest(prompt_token_ids=[rng.randrange(vocab) for _ in range(16)],
+                                sampling=gpb.SamplingParams(max_tokens=1)) for _ in times]
+    lat, e2e, queue, fails = [], [], [], []
+    done_at = [0.0]
+
+    async def one(call_fn, req):
+        t0 = time.perf_counter()
+        try:
+            last = None
+            async for msg in call_fn(req, timeout=30):
+                last = msg
+            now = time.perf_counter()
+            lat.append(now - t0)
+            done_at[0] = max(done_at[0], now)
+            e2e.append(last.timings.end_to_end_s)
+            queue.append(last.timings.queue_time_s)
+        except grpc.aio.AioRpcError as exc:
+            fails.append(exc.code().name)
+
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        await one(stub, vocab, [], [], [])  # warm the channel
+        call_fn = generation_pb2_grpc.GenerationStub(channel).Generate
+        await one(call_fn, reqs[0])  # warm the channel
+        lat.clear(); e2e.clear(); queue.clear()
+        loop = asyncio.get_running_loop()
+        tasks = []
         start = time.perf_counter()
-        next_at = start
-        while next_at - start < duration:
-            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-            tasks.append(asyncio.create_task(one(stub, vocab, latencies, router_e2e, failures)))
-            next_at += random.expovariate(rate)
+        for at, req in zip(times, reqs):
+            delay = start + at - time.perf_counter()
+            if delay > 0.0005:
+                await asyncio.sleep(delay)
+            tasks.append(loop.create_task(one(call_fn, req)))
         sent_for = time.perf_counter() - start
         await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - start
-    return dict(offered_rps=rate, sent=len(tasks), completed=len(latencies),
-                failures=len(failures), achieved_rps=len(latencies) / elapsed, send_window_s=sent_for,
-                client_e2e_p50_ms=pct(latencies, 0.5) * 1e3, client_e2e_p99_ms=pct(latencies, 0.99) * 1e3,
-                router_e2e_p50_ms=pct(router_e2e, 0.5) * 1e3, router_e2e_p99_ms=pct(router_e2e, 0.99) * 1e3)
+    elapsed = (done_at[0] or time.perf_counter()) - start
+    ms = 1e3
+    return dict(offered_rps=rate, sent=len(tasks), completed=len(lat), failures=len(fails),
+                failure_codes=sorted(set(fails)), achieved_rps=len(lat) / elapsed,
+                send_window_s=sent_for,
+                router_added_p50_ms=pct(e2e, 0.5) * ms, router_added_p90_ms=pct(e2e, 0.9) * ms,
+                router_added_p99_ms=pct(e2e, 0.99) * ms,
+                router_queue_p50_ms=pct(queue, 0.5) * ms, router_queue_p99_ms=pct(queue, 0.99) * ms,
+                client_e2e_p50_ms=pct(lat, 0.5) * ms, client_e2e_p99_ms=pct(lat, 0.99) * ms)
 
 
-def run_loop(coro):
+def client_main(args) -> int:
     try:
         import uvloop
+        run = uvloop.run
     except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+        run = asyncio.run
+    row = run(_client(args.client, args.rate, args.duration, args.vocab, args.seed))
+    print(json.dumps(row))
+    return 0
 
+
+# ---- orchestration ----
 
 def start(cmd, log):
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -122,7 +171,24 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=6.0)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/router_overhead.json"))
+    p.add_argument("--profile", help="py-spy record the router during each rate into this "
+                                     "file (collapsed stacks; one file per rate)")
+    p.add_argument("--client", help=argparse.SUPPRESS)   # internal: run the load generator
+    p.add_argument("--rate", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.client:
+        return client_main(args)
+
+    import redis
+
+    from common.tiny_model import build_tiny_model
+    try:
+        from common.redis_server import RedisServer
+    except ImportError:
+        from tests.support.redis_server import RedisServer
+
     work = Path(tempfile.mkdtemp(prefix="router-bench-"))
     model = build_tiny_model(work / "model")
     redis_srv = RedisServer(work / "redis")
@@ -130,10 +196,11 @@ def main() -> int:
     port, mport = free_port(), free_port()
     log = open(work / "procs.log", "w")
     py = sys.executable
-    procs = [start([py, "-m", "router", "--port", str(port), "--host", "127.0.0.1",
+    router = start([py, "-m", "router", "--port", str(port), "--host", "127.0.0.1",
                     "--redis-url", redis_srv.url, "--model", str(model), "--metrics-port", str(mport),
                     "--heartbeat-interval", "0.5", "--queue-limit", "100000",
-                    "--log-level", "WARNING"], log)]
+                    "--log-level", "WARNING"], log)
+    procs = [router]
     address = f"127.0.0.1:{port}"
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     try:
@@ -157,43 +224,64 @@ def main() -> int:
         r = redis.Redis.from_url(redis_srv.url)
         rows = []
         for rate in args.rates:
-            before, calls_before = scrape(mport), redis_calls(r)
+            time.sleep(1.1)  # the router publishes its round-trip counter each heartbeat
+            before, calls_before, cpu_before = scrape(mport), redis_calls(r), cpu_seconds(router.pid)
+            spy = None
+            if args.profile:
+                prof = f"{args.profile}.{int(rate)}" if len(args.rates) > 1 else args.profile
+                spy = subprocess.Popen([str(Path(py).parent / "py-spy"), "record", "-p", str(router.pid),
+                                        "-r", "200", "-f", "raw", "-o", prof, "-d",
+                                        str(int(args.duration + 2))],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             t0 = time.perf_counter()
-            row = run_loop(offered_load(address, rate, args.duration, vocab))
+            out = subprocess.run([py, "-m", "benchmarks.router.overhead", "--client", address,
+                                  "--rate", str(rate), "--duration", str(args.duration),
+                                  "--vocab", str(vocab)], cwd=ROOT, capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
             wall = time.perf_counter() - t0
-            time.sleep(1.1)  # let the router publish its round-trip counter
+            if out.returncode != 0:
+                raise SystemExit(f"load generator failed:\n{out.stderr}")
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            cpu = cpu_seconds(router.pid) - cpu_before
+            time.sleep(1.1)
             after, calls_after = scrape(mport), redis_calls(r)
+            if spy is not None:
+                spy.wait()
             n = max(1, row["completed"] + 1)
-            msgs = sum(after.get(k, 0) - before.get(k, 0) for k in (
-                "quadriga_messages_in_total", "quadriga_messages_out_total",
-                "quadriga_client_messages_total"))
-            row.update(messages_per_s=msgs / wall,
+
+            def delta(*names):
+                return sum(after.get(k, 0) - before.get(k, 0) for k in names)
+
+            # +1 request: the load generator's warm-up call
+            msgs_in = delta("quadriga_messages_in_total") + n
+            msgs_out = delta("quadriga_messages_out_total", "quadriga_client_messages_total")
+            row.update(router_cpu_ms_per_request=cpu / n * 1e3, router_cpu_util=cpu / wall,
+                       messages_in_per_s=msgs_in / wall, messages_out_per_s=msgs_out / wall,
+                       messages_per_s=(msgs_in + msgs_out) / wall,
                        redis_commands_per_request=(calls_after - calls_before) / n,
-                       redis_round_trips_per_request=(after.get("quadriga_redis_round_trips_total", 0)
-                                                      - before.get("quadriga_redis_round_trips_total", 0)) / n)
+                       redis_round_trips_per_request=delta("quadriga_redis_round_trips_total") / n)
             rows.append(row)
-            print(f"offered {rate:6.0f}/s  achieved {row['achieved_rps']:7.1f}/s  "
-                  f"client e2e p50 {row['client_e2e_p50_ms']:6.2f} ms p99 {row['client_e2e_p99_ms']:7.2f} ms  "
-                  f"router p50 {row['router_e2e_p50_ms']:6.2f} ms p99 {row['router_e2e_p99_ms']:7.2f} ms  "
-                  f"msgs/s {row['messages_per_s']:7.0f}  redis rt/req {row['redis_round_trips_per_request']:.2f}  "
+            print(f"offered {rate:5.0f}/s achieved {row['achieved_rps']:6.1f}/s  "
+                  f"router added p50 {row['router_added_p50_ms']:6.2f} p99 {row['router_added_p99_ms']:7.2f} ms  "
+                  f"client p50 {row['client_e2e_p50_ms']:7.2f} p99 {row['client_e2e_p99_ms']:7.2f} ms  "
+                  f"cpu/req {row['router_cpu_ms_per_request']:.2f} ms ({row['router_cpu_util']:.0%})  "
+                  f"msgs/s {row['messages_per_s']:5.0f}  rt/req {row['redis_round_trips_per_request']:.2f}  "
                   f"cmds/req {row['redis_commands_per_request']:.1f}  fail {row['failures']}", flush=True)
         result = {
-            "command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "-m",
-                                                          "benchmarks.router.overhead", *sys.argv[1:]]),
-            "machine": f"{os.cpu_count()} cores; router, {args.replicas} scripted replicas, Redis and the "
-                       "client share them",
+            "command": " ".join(shlex.quote(a) for a in [
+                "flock", "/tmp/quadriga-bench.lock", ".venv/bin/python", "-m",
+                "benchmarks.router.overhead", *sys.argv[1:]]),
+            "machine": f"{os.cpu_count()} cores shared with other users; router, {args.replicas} scripted "
+                       "replicas, Redis and the load generator (one process, one channel) share them",
             "workload": "16-token prompts, 1 output token, replicas answer at once; Poisson arrivals",
-            "definitions": {
-                "client_e2e": "client send to last message (includes client gRPC, both hops, replica)",
-                "router_e2e": "router accepted to finished (RequestTimings.end_to_end_s)",
-                "redis_round_trips_per_request": "router's own count (Lua calls and pipelines)",
-            },
+            "definitions": DEFINITIONS,
             "duration_s": args.duration,
             "rows": rows,
         }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print("wrote", args.out)
+        if not args.profile:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+            print("wrote", args.out)
     finally:
         for proc in procs:
             proc.kill()
