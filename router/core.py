@@ -108,7 +108,7 @@ class RouterCore:
         req.assigned_at = time.time()
         session.owned[req.id] = req
         self.metrics.queue_wait.observe(req.assigned_at - req.arrival)
-        self.metrics.inflight.labels(session.id).inc()
+        self.metrics.inflight_of(session.id).inc()
         self.policy.on_assigned(req, session)
 
     def finish_local(self, req: RequestState, reason: int, error: str = "") -> None:
@@ -117,14 +117,14 @@ class RouterCore:
         owner = req.owner
         if owner is not None:
             owner.owned.pop(req.id, None)
-            self.metrics.inflight.labels(owner.id).dec()
+            self.metrics.inflight_of(owner.id).dec()
         self._release_load(req)
         self.orphans.pop(req.id, None)
         if self.requests.get(req.id) is req:
             del self.requests[req.id]
         now = time.time()
         req.finish(reason, error, now)
-        self.metrics.requests.labels(gpb.FinishReason.Name(reason)).inc()
+        self.metrics.finished_with(reason).inc()
         self.metrics.e2e.observe(now - req.arrival)
         self.policy.on_finished(req)
 
@@ -271,7 +271,7 @@ class RouterCore:
             if req.owner is not session or req.finished:
                 continue
             session.owned.pop(req.id, None)
-            self.metrics.inflight.labels(session.id).dec()
+            self.metrics.inflight_of(session.id).dec()
             self._release_load(req)
             target = self.policy.select(req, live)
             queue = replica_queue(target.id) if target else PENDING

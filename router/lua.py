@@ -108,3 +108,35 @@ redis.call('EXPIRE', prefix .. 'out:' .. id, ttl)
 redis.call('EXPIRE', prefix .. 'txt:' .. id, ttl)
 return 1
 """
+
+# Everything one event-loop tick of StepOutputs (from any replicas) records, in
+# one call. ARGV: prefix, ttl seconds, then 12 per delta:
+#   id, packed tokens, text, ft, fs, finished (1/0), fr, err, rep, fin, pre, asg
+# ('' = nothing to write for that field). A finish also stamps ft/fs, leaves the
+# inflight set and starts the result TTL on req/out/txt.
+STEP = """
+local prefix, ttl = ARGV[1], tonumber(ARGV[2])
+for i = 3, #ARGV, 12 do
+  local id = ARGV[i]
+  local h = prefix .. 'req:' .. id
+  local o, t = prefix .. 'out:' .. id, prefix .. 'txt:' .. id
+  if ARGV[i + 1] ~= '' then redis.call('APPEND', o, ARGV[i + 1]) end
+  if ARGV[i + 2] ~= '' then redis.call('APPEND', t, ARGV[i + 2]) end
+  if ARGV[i + 5] == '1' then
+    redis.call('HSET', h, 'fr', ARGV[i + 6], 'err', ARGV[i + 7], 'rep', ARGV[i + 8],
+      'fin', ARGV[i + 9], 'ft', ARGV[i + 3], 'fs', ARGV[i + 4], 'pre', ARGV[i + 10],
+      'asg', ARGV[i + 11], 'st', 'f', 'q', '', 'o', '')
+    redis.call('ZREM', prefix .. 'inflight', id)
+    redis.call('EXPIRE', h, ttl)
+    redis.call('EXPIRE', o, ttl)
+    redis.call('EXPIRE', t, ttl)
+  elseif ARGV[i + 3] ~= '' and ARGV[i + 4] ~= '' then
+    redis.call('HSET', h, 'ft', ARGV[i + 3], 'fs', ARGV[i + 4])
+  elseif ARGV[i + 3] ~= '' then
+    redis.call('HSET', h, 'ft', ARGV[i + 3])
+  elseif ARGV[i + 4] ~= '' then
+    redis.call('HSET', h, 'fs', ARGV[i + 4])
+  end
+end
+return 1
+"""

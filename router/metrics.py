@@ -3,6 +3,7 @@ so several routers can live in one process (tests)."""
 
 from __future__ import annotations
 
+from common.pb.quadriga.v1 import generation_pb2 as gpb
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 _LATENCY = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -44,6 +45,28 @@ class Metrics:
         self.redis_round_trips = Counter("quadriga_redis_round_trips_total",
                                          "Redis round trips", registry=r)
         self._last_round_trips = 0
+        # labels() takes a lock and builds a key on every call: children are cached.
+        self._inflight: dict[str, object] = {}
+        self._finished: dict[int, object] = {}
+        self._out: dict[str, object] = {}
+
+    def inflight_of(self, replica_id: str):
+        child = self._inflight.get(replica_id)
+        if child is None:
+            child = self._inflight[replica_id] = self.inflight.labels(replica_id)
+        return child
+
+    def finished_with(self, reason: int):
+        child = self._finished.get(reason)
+        if child is None:
+            child = self._finished[reason] = self.requests.labels(gpb.FinishReason.Name(reason))
+        return child
+
+    def sent_to_replica(self, kind: str):
+        child = self._out.get(kind)
+        if child is None:
+            child = self._out[kind] = self.messages_out.labels(kind)
+        return child
 
     def sync_round_trips(self, total: int) -> None:
         self.redis_round_trips.inc(total - self._last_round_trips)

@@ -46,7 +46,7 @@ class ReplicaSession:
         if not self.closed:
             self.outbox.put_nowait(msg)
             if self.metrics:
-                self.metrics.messages_out.labels(msg.WhichOneof("kind")).inc()
+                self.metrics.sent_to_replica(msg.WhichOneof("kind")).inc()
 
     def close(self, code: grpc.StatusCode | None = None, message: str = "") -> None:
         """Ends the stream; with a code, the replica sees that status."""

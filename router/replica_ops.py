@@ -10,6 +10,7 @@ from common.pb.quadriga.v1 import generation_pb2 as gpb
 from common.pb.quadriga.v1 import replica_pb2 as rpb
 from router.policies import PENDING, replica_queue
 from router.requests import Phase
+from router.store import pack_tokens
 
 if TYPE_CHECKING:
     from router.core import RouterCore
@@ -56,11 +57,11 @@ class ReplicaOps:
             return False
         else:
             old.owned.pop(rid, None)
-            core.metrics.inflight.labels(old.id).dec()
+            core.metrics.inflight_of(old.id).dec()
         req.owner = session
         session.owned[rid] = req
         session.rebound.add(rid)
-        core.metrics.inflight.labels(session.id).inc()
+        core.metrics.inflight_of(session.id).inc()
         return True
 
     async def leave(self, session: "ReplicaSession", reason: str) -> None:
@@ -169,28 +170,39 @@ class ReplicaOps:
             await self._requeue_diverged(session, diverged)
         if not items:
             return
-        core, store, metrics = self.core, self.core.store, self.core.metrics
+        core, metrics = self.core, self.core.metrics
         now = time.time()
-        pipe = store.pipeline()
+        args: list = []
+        ttft, tbt = [], []
         for req, d in items:
-            if d.token_ids or d.text:
-                store.add_output(pipe, req.id, d.token_ids, d.text)
-            if d.token_ids:
+            tokens = d.token_ids
+            ft = fs = ""
+            if tokens:
                 if req.first_token_at:
-                    metrics.tbt.observe(now - req.last_token_at)
+                    tbt.append(now - req.last_token_at)
                 else:
-                    metrics.ttft.observe(now - req.arrival)
-                    store.add_fields(pipe, req.id, {"ft": repr(now)})
-            req.append(d.token_ids, d.text, now)
+                    ttft.append(now - req.arrival)
+                    ft = repr(now)
+            req.append(tokens, d.text, now)
             if d.first_scheduled_at and not req.first_scheduled_at:
                 req.first_scheduled_at = d.first_scheduled_at
-                store.add_fields(pipe, req.id, {"fs": repr(d.first_scheduled_at)})
+                fs = repr(d.first_scheduled_at)
             if d.preemptions:
                 req.preemptions = req.preemption_base + d.preemptions
+            packed = pack_tokens(tokens) if tokens else b""
             if d.HasField("finish_reason"):
                 req.replica_id = session.id
                 core.finish_local(req, d.finish_reason, d.error)
-                store.add_finish(pipe, req.id, core.finish_fields(req))
-        await store.execute(pipe)  # durable before any client sees it
+                args += (req.id, packed, d.text, repr(req.first_token_at),
+                         repr(req.first_scheduled_at), 1, req.finish_reason, req.error,
+                         req.replica_id, repr(req.finished_at), req.preemptions,
+                         repr(req.assigned_at))
+            else:
+                args += (req.id, packed, d.text, ft, fs, 0, "", "", "", "", "", "")
+        for v in ttft:
+            metrics.ttft.observe(v)
+        for v in tbt:
+            metrics.tbt.observe(v)
+        await core.store.write_steps(args)  # durable before any client sees it
         for req, _ in items:
             req.notify()

@@ -17,6 +17,7 @@ Finished requests keep req/out/txt for result_ttl seconds.
 from __future__ import annotations
 
 import array
+import asyncio
 import math
 import sys
 
@@ -55,6 +56,10 @@ class Store:
         self._requeue = self.redis.register_script(lua.REQUEUE)
         self._move = self.redis.register_script(lua.MOVE)
         self._cancel_queued = self.redis.register_script(lua.CANCEL_QUEUED)
+        self._step = self.redis.register_script(lua.STEP)
+        self._step_args: list = []          # STEP arguments waiting for the next flush
+        self._step_waiters: list[asyncio.Future] = []
+        self._step_flusher: asyncio.Task | None = None
 
     # ---- keys ----
     def req_key(self, rid: str) -> str:
@@ -147,6 +152,45 @@ class Store:
         pipe.zrem(self.inflight_key, rid)
         for key in (self.req_key(rid), self.out_key(rid), self.txt_key(rid)):
             pipe.expire(key, self.ttl)
+
+    # ---- step writes: group commit ----
+    async def write_steps(self, args: list) -> None:
+        """Records step deltas (12 STEP arguments each, see lua.STEP); returns once durable.
+
+        Every caller of one event-loop tick, and every caller that arrives while a
+        flush is in flight, shares one STEP call: under load many StepOutputs
+        from many replicas cost one round trip. Flushes run one at a time, in
+        order, so a request's writes land in the order they were made.
+        """
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._step_args.extend(args)
+        self._step_waiters.append(fut)
+        if self._step_flusher is None:
+            self._step_flusher = loop.create_task(self._flush_steps())
+        await fut
+
+    async def _flush_steps(self) -> None:
+        try:
+            while self._step_waiters:
+                args, waiters = self._step_args, self._step_waiters
+                self._step_args, self._step_waiters = [], []
+                try:
+                    self.round_trips += 1
+                    await self._step(args=[self.prefix, self.ttl, *args])
+                except BaseException as exc:
+                    for fut in waiters:
+                        if not fut.done():
+                            fut.set_exception(exc if isinstance(exc, Exception)
+                                              else ConnectionError("step write cancelled"))
+                    if not isinstance(exc, Exception):
+                        raise
+                else:
+                    for fut in waiters:
+                        if not fut.done():
+                            fut.set_result(None)
+        finally:
+            self._step_flusher = None
 
     async def renew_leases(self, leases: dict[str, float]) -> None:
         if leases:

@@ -44,10 +44,11 @@ def check_request(req: gpb.GenerateRequest, limits: ModelLimits) -> None:
         raise invalid("give exactly one of prompt and prompt_token_ids, not both")
     if not has_text and not has_ids:
         raise invalid("empty prompt: give prompt or prompt_token_ids")
-    for i, tok in enumerate(req.prompt_token_ids):
-        if tok >= limits.vocab_size:
-            raise invalid(f"prompt_token_ids[{i}] = {tok} is not below the vocabulary size "
-                          f"{limits.vocab_size}")
+    ids = req.prompt_token_ids
+    if has_ids and max(ids) >= limits.vocab_size:
+        i, tok = next((i, t) for i, t in enumerate(ids) if t >= limits.vocab_size)
+        raise invalid(f"prompt_token_ids[{i}] = {tok} is not below the vocabulary size "
+                      f"{limits.vocab_size}")
     if req.stream_interval > MAX_STREAM_INTERVAL:
         raise invalid(f"stream_interval {req.stream_interval} is above {MAX_STREAM_INTERVAL}")
     _check_sampling(req.sampling, limits)
@@ -65,10 +66,11 @@ def _check_sampling(s: gpb.SamplingParams, limits: ModelLimits) -> None:
     for i, stop in enumerate(s.stop):
         if not stop:
             raise invalid(f"sampling.stop[{i}] is an empty string")
-    for i, tok in enumerate(s.stop_token_ids):
-        if tok >= limits.vocab_size:
-            raise invalid(f"sampling.stop_token_ids[{i}] = {tok} is not below the vocabulary "
-                          f"size {limits.vocab_size}")
+    stops = s.stop_token_ids
+    if stops and max(stops) >= limits.vocab_size:
+        i, tok = next((i, t) for i, t in enumerate(stops) if t >= limits.vocab_size)
+        raise invalid(f"sampling.stop_token_ids[{i}] = {tok} is not below the vocabulary "
+                      f"size {limits.vocab_size}")
 
 
 def effective_max_tokens(req: gpb.GenerateRequest, prompt_len: int, limits: ModelLimits) -> int:
@@ -91,6 +93,9 @@ def effective_max_tokens(req: gpb.GenerateRequest, prompt_len: int, limits: Mode
 def digest(req: gpb.GenerateRequest) -> str:
     """Identity of a request body for the re-attach rule (request_id and
     stream_interval excluded: they do not change what is generated)."""
+    rid, interval = req.request_id, req.stream_interval
+    if not rid and not interval:  # the common case: no copy
+        return hashlib.sha256(req.SerializeToString(deterministic=True)).hexdigest()[:32]
     body = gpb.GenerateRequest()
     body.CopyFrom(req)
     body.request_id = ""
