@@ -21,6 +21,35 @@ redis.call('ZADD', KEYS[2], -tonumber(ARGV[7]), member)
 return {1, member}
 """
 
+# SUBMIT for several requests in one call (keys built from the prefix).
+# ARGV: prefix, then 10 per request: id, digest, assignment, prompt_len,
+#       max_tokens, priority, arrival, arrival_us, stream_interval, queue name
+# -> 3 per request: 1, member, '' when stored; 0, digest, state when the id exists.
+SUBMIT_MANY = """
+local prefix = ARGV[1]
+local out = {}
+for i = 2, #ARGV, 10 do
+  local id = ARGV[i]
+  local h = prefix .. 'req:' .. id
+  if redis.call('EXISTS', h) == 1 then
+    out[#out + 1] = 0
+    out[#out + 1] = redis.call('HGET', h, 'd') or ''
+    out[#out + 1] = redis.call('HGET', h, 'st') or ''
+  else
+    local seq = redis.call('INCR', prefix .. 'seq')
+    local member = string.format('%016d%012d:', tonumber(ARGV[i + 7]), seq) .. id
+    redis.call('HSET', h, 'd', ARGV[i + 1], 'a', ARGV[i + 2], 'pl', ARGV[i + 3],
+      'mt', ARGV[i + 4], 'pr', ARGV[i + 5], 'at', ARGV[i + 6], 'si', ARGV[i + 8],
+      'q', ARGV[i + 9], 'm', member, 'seq', seq, 'st', 'q', 'rq', 0)
+    redis.call('ZADD', prefix .. 'q:' .. ARGV[i + 9], -tonumber(ARGV[i + 5]), member)
+    out[#out + 1] = 1
+    out[#out + 1] = member
+    out[#out + 1] = ''
+  end
+end
+return out
+"""
+
 # Atomic peek-check-pop. KEYS: queue zset, inflight zset.
 # ARGV: prefix, replica, max_requests, max_prompt_tokens (0: no limit), lease expiry, now
 # Takes from the head while the request fits; stops at the first that does not

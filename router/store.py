@@ -45,21 +45,65 @@ def unpack_tokens(data: bytes | None) -> list[int]:
     return a.tolist()
 
 
+class GroupCommit:
+    """Group commit: the calls made in one event-loop tick, and those made while
+    a flush is in flight, share one flush (one Redis round trip). Flushes run
+    one at a time and in order, so writes land in the order they were made.
+    `flush(items)` returns one result per item."""
+
+    def __init__(self, flush):
+        self._flush = flush
+        self._items: list = []
+        self._waiters: list[asyncio.Future] = []
+        self._task: asyncio.Task | None = None
+
+    async def __call__(self, item):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._items.append(item)
+        self._waiters.append(fut)
+        if self._task is None:
+            self._task = loop.create_task(self._run())
+        return await fut
+
+    async def _run(self) -> None:
+        try:
+            while self._waiters:
+                items, waiters = self._items, self._waiters
+                self._items, self._waiters = [], []
+                try:
+                    results = await self._flush(items)
+                except Exception as exc:
+                    for fut in waiters:
+                        if not fut.done():
+                            fut.set_exception(exc)
+                except BaseException:
+                    for fut in waiters:
+                        if not fut.done():
+                            fut.set_exception(ConnectionError("Redis write interrupted"))
+                    raise
+                else:
+                    for fut, result in zip(waiters, results):
+                        if not fut.done():
+                            fut.set_result(result)
+        finally:
+            self._task = None
+
+
 class Store:
     def __init__(self, url: str, prefix: str, result_ttl: float):
         self.redis = aioredis.from_url(url, decode_responses=False)
         self.prefix = prefix
         self.ttl = max(1, math.ceil(result_ttl))
         self.round_trips = 0
-        self._submit = self.redis.register_script(lua.SUBMIT)
         self._pop = self.redis.register_script(lua.POP)
         self._requeue = self.redis.register_script(lua.REQUEUE)
         self._move = self.redis.register_script(lua.MOVE)
         self._cancel_queued = self.redis.register_script(lua.CANCEL_QUEUED)
         self._step = self.redis.register_script(lua.STEP)
-        self._step_args: list = []          # STEP arguments waiting for the next flush
-        self._step_waiters: list[asyncio.Future] = []
-        self._step_flusher: asyncio.Task | None = None
+        self._submit_many = self.redis.register_script(lua.SUBMIT_MANY)
+        self._steps = GroupCommit(self._flush_steps)
+        self._submits = GroupCommit(self._flush_submits)
 
     # ---- keys ----
     def req_key(self, rid: str) -> str:
@@ -89,15 +133,25 @@ class Store:
     async def submit(self, rid: str, digest: str, assignment: bytes, prompt_len: int,
                      max_tokens: int, priority: int, arrival: float, stream_interval: int,
                      queue: str) -> tuple[bool, str, str]:
-        """(created, member, "") or (False, existing digest, existing state)."""
+        """(created, member, "") or (False, existing digest, existing state).
+
+        Submits of one event-loop tick share one SUBMIT_MANY call."""
+        return await self._submits((rid, digest, assignment, prompt_len, max_tokens, priority,
+                                    repr(arrival), int(arrival * 1e6), stream_interval, queue))
+
+    async def _flush_submits(self, items: list[tuple]) -> list[tuple[bool, str, str]]:
+        args = [self.prefix]
+        for item in items:
+            args += item
         self.round_trips += 1
-        res = await self._submit(
-            keys=[self.req_key(rid), self.queue_key(queue), self.prefix + "seq"],
-            args=[self.prefix, rid, digest, assignment, prompt_len, max_tokens, priority,
-                  repr(arrival), int(arrival * 1e6), stream_interval, queue])
-        if int(res[0]) == 1:
-            return True, res[1].decode(), ""
-        return False, res[1].decode(), res[2].decode()
+        res = await self._submit_many(args=args)
+        out = []
+        for i in range(0, len(res), 3):
+            if int(res[i]) == 1:
+                out.append((True, res[i + 1].decode(), ""))
+            else:
+                out.append((False, res[i + 1].decode(), res[i + 2].decode()))
+        return out
 
     async def pop(self, queue: str, replica: str, max_requests: int, max_prompt_tokens: int,
                   lease_expiry: float, now: float) -> list[str]:
@@ -153,44 +207,19 @@ class Store:
         for key in (self.req_key(rid), self.out_key(rid), self.txt_key(rid)):
             pipe.expire(key, self.ttl)
 
-    # ---- step writes: group commit ----
+    # ---- step writes ----
     async def write_steps(self, args: list) -> None:
-        """Records step deltas (12 STEP arguments each, see lua.STEP); returns once durable.
+        """Records step deltas (12 STEP arguments each, see lua.STEP); returns once
+        durable. All StepOutputs of one event-loop tick share one call."""
+        await self._steps(args)
 
-        Every caller of one event-loop tick, and every caller that arrives while a
-        flush is in flight, shares one STEP call: under load many StepOutputs
-        from many replicas cost one round trip. Flushes run one at a time, in
-        order, so a request's writes land in the order they were made.
-        """
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._step_args.extend(args)
-        self._step_waiters.append(fut)
-        if self._step_flusher is None:
-            self._step_flusher = loop.create_task(self._flush_steps())
-        await fut
-
-    async def _flush_steps(self) -> None:
-        try:
-            while self._step_waiters:
-                args, waiters = self._step_args, self._step_waiters
-                self._step_args, self._step_waiters = [], []
-                try:
-                    self.round_trips += 1
-                    await self._step(args=[self.prefix, self.ttl, *args])
-                except BaseException as exc:
-                    for fut in waiters:
-                        if not fut.done():
-                            fut.set_exception(exc if isinstance(exc, Exception)
-                                              else ConnectionError("step write cancelled"))
-                    if not isinstance(exc, Exception):
-                        raise
-                else:
-                    for fut in waiters:
-                        if not fut.done():
-                            fut.set_result(None)
-        finally:
-            self._step_flusher = None
+    async def _flush_steps(self, batches: list[list]) -> list:
+        args = [self.prefix, self.ttl]
+        for batch in batches:
+            args += batch
+        self.round_trips += 1
+        await self._step(args=args)
+        return [None] * len(batches)
 
     async def renew_leases(self, leases: dict[str, float]) -> None:
         if leases:

@@ -173,6 +173,7 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/router_overhead.json"))
     p.add_argument("--profile", help="py-spy record the router during each rate into this "
                                      "file (collapsed stacks; one file per rate)")
+    p.add_argument("--native", action="store_true", help="with --profile: C frames too (gRPC core)")
     p.add_argument("--client", help=argparse.SUPPRESS)   # internal: run the load generator
     p.add_argument("--rate", type=float, help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
@@ -231,7 +232,7 @@ def main() -> int:
                 prof = f"{args.profile}.{int(rate)}" if len(args.rates) > 1 else args.profile
                 spy = subprocess.Popen([str(Path(py).parent / "py-spy"), "record", "-p", str(router.pid),
                                         "-r", "200", "-f", "raw", "-o", prof, "-d",
-                                        str(int(args.duration + 2))],
+                                        str(int(args.duration + 2)), *(["--native"] if args.native else [])],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             t0 = time.perf_counter()
             out = subprocess.run([py, "-m", "benchmarks.router.overhead", "--client", address,
