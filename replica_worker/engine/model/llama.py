@@ -22,13 +22,16 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def fused_kernels(device: torch.device, dtype: torch.dtype):
-    """The flashinfer module when its fused norm / rope / SwiGLU kernels can run
-    this model (CUDA, fp16/bf16; QUADRIGA_FUSED_OPS=0 turns them off), else None.
-    They cut a decoder layer from ~40 launches of small torch kernels to ~12,
-    which is most of a small-batch decode step's overhead beyond the matmuls."""
+    """The flashinfer module when its fused norm / rope / SwiGLU kernels should run
+    this model (CUDA, fp16/bf16, QUADRIGA_FUSED_OPS=1), else None.
+
+    Off by default: they would cut a decoder layer from ~40 small torch kernel
+    launches to ~12, but their JIT build on a fresh H200 machine was never seen
+    to finish (the run that first built them lost the machine), so they are
+    unmeasured; see docs/gpu.md."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return None
-    if os.environ.get("QUADRIGA_FUSED_OPS", "1") == "0":
+    if os.environ.get("QUADRIGA_FUSED_OPS", "0") != "1":
         return None
     try:
         import flashinfer
