@@ -44,7 +44,7 @@ class ReplicaWorker:
         self.engine_loop = EngineLoop(engine, self._on_report_from_thread)
         self._reports: asyncio.Queue[EngineReport] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._call = None  # the live stream, None while disconnected
+        self._outbox: asyncio.Queue | None = None  # the live stream's writer queue; None while away
         self._last_report: EngineReport | None = None
         self._lease_ttl_s = 10.0
         self._heartbeat_s = 1.0
@@ -82,16 +82,7 @@ class ReplicaWorker:
     def _check_drained(self) -> None:
         if self.draining and not self.book.live and not self._done.is_set():
             self._done.set()
-            if self._call is not None:
-                # Half-close: the router ends the stream, and the session's read sees EOF.
-                asyncio.get_running_loop().create_task(self._close_call(self._call))
-
-    @staticmethod
-    async def _close_call(call) -> None:
-        try:
-            await call.done_writing()
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-            pass
+            self._send(None)  # half-close: the router ends the stream, the session sees EOF
 
     async def _connect_forever(self) -> None:
         backoff = self.config.reconnect_min_s
@@ -105,7 +96,6 @@ class ReplicaWorker:
             except (grpc.aio.AioRpcError, ConnectionError) as exc:
                 log.warning("router stream broke: %s", getattr(exc, "details", lambda: exc)())
             finally:
-                self._call = None
                 self.credit.reset()
                 await channel.close()
             if self._done.is_set():
@@ -151,16 +141,41 @@ class ReplicaWorker:
             raise
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "registered":
             await self._raise_registration_failure(call)
-        await self._on_registered(call, first.registered)
-        heartbeat = asyncio.create_task(self._heartbeats(call))
+        # One writer per stream: gRPC allows a single write in flight, so every
+        # message goes through this queue (None half-closes the stream).
+        self._outbox = asyncio.Queue()
+        tasks = [asyncio.create_task(self._write_loop(call, self._outbox)),
+                 asyncio.create_task(self._read_loop(call)),
+                 asyncio.create_task(self._heartbeats())]
+        self._on_registered(first.registered)
         try:
-            while True:
-                msg = await call.read()
-                if msg is grpc.aio.EOF:
-                    return
-                await self._on_router_message(msg)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            heartbeat.cancel()
+            self._outbox = None
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for task in done:
+            task.result()  # re-raise what ended the session
+
+    def _send(self, msg: pb.ReplicaMessage | None) -> None:
+        if self._outbox is not None:
+            self._outbox.put_nowait(msg)
+
+    async def _write_loop(self, call, outbox: asyncio.Queue) -> None:
+        while True:
+            msg = await outbox.get()
+            if msg is None:
+                await call.done_writing()
+                await asyncio.Event().wait()  # the read loop ends the session at EOF
+            await call.write(msg)
+
+    async def _read_loop(self, call) -> None:
+        while True:
+            msg = await call.read()
+            if msg is grpc.aio.EOF:
+                return
+            self._on_router_message(msg)
 
     async def _raise_registration_failure(self, call) -> None:
         code = await call.code()
@@ -169,24 +184,24 @@ class ReplicaWorker:
             raise FatalRegistrationError(f"router refused registration: {code.name}: {details}")
         raise ConnectionError(f"registration failed: {code}: {details}")
 
-    async def _on_registered(self, call, reg: pb.Registered) -> None:
+    def _on_registered(self, reg: pb.Registered) -> None:
         self._lease_ttl_s = reg.lease_ttl_s or self._lease_ttl_s
         self._heartbeat_s = reg.heartbeat_interval_s or self._heartbeat_s
         self._disconnected_at = None
         resend, abort = self.book.replay(set(reg.keep_request_ids))
         for rid in abort:
             self.engine_loop.submit(AbortRequest(rid))
-        self._call = call
         if resend:
-            await call.write(pb.ReplicaMessage(step=pb.StepOutputs(deltas=resend)))
-        log.info("registered with router (policy %s); kept %d, dropped %d", reg.policy, len(resend), len(abort))
+            self._send(pb.ReplicaMessage(step=pb.StepOutputs(deltas=resend)))
+        log.info("registered with router (policy %s); kept %d, dropped %d",
+                 reg.policy, len(set(reg.keep_request_ids)), len(abort))
         self._check_drained()
         self.engine_loop.request_report()  # fresh capacity -> first Pull of this session
 
-    async def _on_router_message(self, msg: pb.RouterMessage) -> None:
+    def _on_router_message(self, msg: pb.RouterMessage) -> None:
         kind = msg.WhichOneof("kind")
         if kind == "assign":
-            await self._on_assign(msg.assign.assignments)
+            self._on_assign(msg.assign.assignments)
         elif kind == "cancel":
             for rid in msg.cancel.request_ids:
                 if rid in self.book.live:
@@ -196,7 +211,7 @@ class ReplicaWorker:
         elif kind == "drain":
             self.begin_drain()
 
-    async def _on_assign(self, assignments) -> None:
+    def _on_assign(self, assignments) -> None:
         rejected = []
         tokens = 0
         for a in assignments:
@@ -212,14 +227,14 @@ class ReplicaWorker:
             self.book.assigned(a.request_id, context)
             self.engine_loop.submit(command)
         self.credit.on_assigned(len(assignments), tokens)
-        if rejected and self._call is not None:
-            await self._call.write(pb.ReplicaMessage(step=pb.StepOutputs(deltas=rejected)))
+        if rejected:
+            self._send(pb.ReplicaMessage(step=pb.StepOutputs(deltas=rejected)))
 
-    async def _heartbeats(self, call) -> None:
+    async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(self._heartbeat_s)
             load = self._last_report.load if self._last_report else None
-            await call.write(pb.ReplicaMessage(heartbeat=pb.Heartbeat(
+            self._send(pb.ReplicaMessage(heartbeat=pb.Heartbeat(
                 running=load.running if load else 0,
                 waiting=load.waiting if load else 0,
                 free_kv_blocks=load.free_kv_blocks if load else 0,
@@ -227,18 +242,16 @@ class ReplicaWorker:
                 request_ids=list(self.book.live),
             )))
             if self.draining and time.monotonic() > self._drain_deadline:
-                await self._hand_back_all(call)
-            elif self._call is None:
-                self._expire_if_leases_lapsed()
+                self._hand_back_all()
 
-    async def _hand_back_all(self, call) -> None:
+    def _hand_back_all(self) -> None:
         ids = list(self.book.live)
         for rid in ids:
             self.engine_loop.submit(AbortRequest(rid))
             self.book.dropped(rid)
         if ids:
             log.info("drain timeout: handing back %d requests", len(ids))
-            await call.write(pb.ReplicaMessage(hand_back=pb.HandBack(request_ids=ids)))
+            self._send(pb.ReplicaMessage(hand_back=pb.HandBack(request_ids=ids)))
         self._check_drained()
 
     # ---- engine reports -> StepOutputs and Pull ----
@@ -247,29 +260,26 @@ class ReplicaWorker:
             report = await self._reports.get()
             self._last_report = report
             self.metrics.observe(report)
-            try:
-                await self._send_report(report)
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
-                log.debug("report not sent (stream closing): %s", exc)
+            self._send_report(report)
             self._check_drained()
 
-    async def _send_report(self, report: EngineReport) -> None:
+    def _send_report(self, report: EngineReport) -> None:
         res = report.result
         self.book.engine_holds(report.request_ids)
+        connected = self._outbox is not None
         deltas = []
         for d in res.deltas:
             msg = protocol.delta_to_pb(d, self.book.first_scheduled_sent(d.request_id))
-            if self.book.record(msg):
+            if self.book.record(msg, delivered=connected):
                 deltas.append(msg)
-        call = self._call
-        if call is None:
+        if not connected:
             return
         if deltas:
-            await call.write(pb.ReplicaMessage(step=pb.StepOutputs(
+            self._send(pb.ReplicaMessage(step=pb.StepOutputs(
                 step_id=report.step_id, deltas=deltas, batch_size=res.batch_size,
                 num_tokens=res.num_tokens, step_time_s=res.step_time,
                 free_kv_blocks=report.load.free_kv_blocks)))
         if not self.draining:
             grant = self.credit.grant(report.capacity, len(self.book.queued), self.book.queued_tokens)
             if grant:
-                await call.write(pb.ReplicaMessage(pull=pb.Pull(max_requests=grant[0], max_prompt_tokens=grant[1])))
+                self._send(pb.ReplicaMessage(pull=pb.Pull(max_requests=grant[0], max_prompt_tokens=grant[1])))

@@ -15,6 +15,7 @@ class LiveRequest:
     # client sees each token once whichever deltas were lost in flight.
     history: list[pb.RequestDelta] = field(default_factory=list)
     first_scheduled_sent: bool = False
+    finished: bool = False  # finished while the router was away; kept until resent
 
 
 class RequestBook:
@@ -32,17 +33,23 @@ class RequestBook:
         self.live.pop(request_id, None)
         self.queued.pop(request_id, None)
 
-    def record(self, delta: pb.RequestDelta) -> bool:
-        """Keeps a delta for resending; False for a request no longer live (cancelled)."""
+    def record(self, delta: pb.RequestDelta, delivered: bool) -> bool:
+        """Keeps a delta for resending; False for a request no longer live (cancelled).
+
+        A request that finishes while the router is away stays here, finished,
+        until its deltas are resent: otherwise its end would be lost.
+        """
         req = self.live.get(delta.request_id)
-        if req is None:
+        if req is None or req.finished:
             return False
         if delta.first_scheduled_at:
             req.first_scheduled_sent = True
+        req.history.append(delta)
         if delta.HasField("finish_reason"):
-            self.dropped(delta.request_id)
-        else:
-            req.history.append(delta)
+            req.finished = True
+            self.queued.pop(delta.request_id, None)
+            if delivered:
+                self.dropped(delta.request_id)
         return True
 
     def engine_holds(self, request_ids) -> None:
@@ -59,12 +66,16 @@ class RequestBook:
         return req is not None and req.first_scheduled_sent
 
     def replay(self, keep: set[str]) -> tuple[list[pb.RequestDelta], list[str]]:
-        """After re-registering: deltas to resend for kept requests, ids to abort."""
+        """After re-registering: deltas to resend for kept requests, and the
+        unfinished requests the router took back (to abort here)."""
         resend, abort = [], []
         for rid, req in list(self.live.items()):
             if rid in keep:
                 resend.extend(req.history)
+                if req.finished:
+                    self.dropped(rid)
             else:
-                abort.append(rid)
+                if not req.finished:
+                    abort.append(rid)
                 self.dropped(rid)
         return resend, abort

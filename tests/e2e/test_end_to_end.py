@@ -81,19 +81,22 @@ def test_replica_killed_mid_generation_loses_nothing(live_stack, hf_reference):
 
 def test_replica_joining_under_load_takes_work(live_stack, hf_reference):
     stack = live_stack("pull")
-    stack.start_replica("r0", "--max-num-seqs", "2")
-    prompts = PROMPTS * 2
+    # One seat: r0 alone would need many seconds for this load, longer than
+    # r1 needs to start, so r1 joins while most requests still wait.
+    stack.start_replica("r0", "--max-num-seqs", "1")
+    prompts = PROMPTS * 3
 
     async def scenario():
-        tasks = [asyncio.create_task(generate(stack.address, p, 60)) for p in prompts]
+        tasks = [asyncio.create_task(generate(stack.address, p, 300)) for p in prompts]
         await asyncio.sleep(0.3)
         await asyncio.to_thread(stack.start_replica, "r1")
         return await asyncio.gather(*tasks)
 
     results = asyncio.run(scenario())
-    assert {last.timings.replica_id for _, last in results} == {"r0", "r1"}
+    served = [last.timings.replica_id for _, last in results]
+    assert "r1" in served and "r0" in served
     for prompt, (tokens, _) in zip(prompts, results):
-        assert tokens == hf_reference(prompt, 60)
+        assert tokens == hf_reference(prompt, 300)
 
 
 def replica_metric(port: int, name: str) -> float | None:
