@@ -24,6 +24,7 @@ import sys
 import redis.asyncio as aioredis
 
 from router import lua
+from router.resp import LeanRedis
 
 _LITTLE = sys.byteorder == "little"
 
@@ -96,12 +97,14 @@ class Store:
         self.prefix = prefix
         self.ttl = max(1, math.ceil(result_ttl))
         self.round_trips = 0
-        self._pop = self.redis.register_script(lua.POP)
         self._requeue = self.redis.register_script(lua.REQUEUE)
         self._move = self.redis.register_script(lua.MOVE)
         self._cancel_queued = self.redis.register_script(lua.CANCEL_QUEUED)
-        self._step = self.redis.register_script(lua.STEP)
-        self._submit_many = self.redis.register_script(lua.SUBMIT_MANY)
+        # Hot-path scripts (submit, pop, step writes) go over one lean connection.
+        self.lean = LeanRedis(self.redis.connection_pool.connection_kwargs)
+        self._submit_many = self.lean.script(lua.SUBMIT_MANY)
+        self._pop = self.lean.script(lua.POP)
+        self._step = self.lean.script(lua.STEP)
         self._steps = GroupCommit(self._flush_steps)
         self._submits = GroupCommit(self._flush_submits)
 
@@ -127,6 +130,7 @@ class Store:
         await self.redis.ping()
 
     async def close(self) -> None:
+        self.lean.close()
         await self.redis.aclose()
 
     # ---- transitions (one round trip each) ----
@@ -144,7 +148,7 @@ class Store:
         for item in items:
             args += item
         self.round_trips += 1
-        res = await self._submit_many(args=args)
+        res = await self._submit_many(args)
         out = []
         for i in range(0, len(res), 3):
             if int(res[i]) == 1:
@@ -156,9 +160,8 @@ class Store:
     async def pop(self, queue: str, replica: str, max_requests: int, max_prompt_tokens: int,
                   lease_expiry: float, now: float) -> list[str]:
         self.round_trips += 1
-        res = await self._pop(keys=[self.queue_key(queue), self.inflight_key],
-                              args=[self.prefix, replica, max_requests, max_prompt_tokens,
-                                    repr(lease_expiry), repr(now)])
+        res = await self._pop([self.queue_key(queue), self.inflight_key, self.prefix, replica,
+                               max_requests, max_prompt_tokens, repr(lease_expiry), repr(now)], numkeys=2)
         return [r.decode() for r in res]
 
     async def requeue(self, items: list[tuple[str, str]], owner: str = "") -> list[bool]:
@@ -218,7 +221,7 @@ class Store:
         for batch in batches:
             args += batch
         self.round_trips += 1
-        await self._step(args=args)
+        await self._step(args)
         return [None] * len(batches)
 
     async def renew_leases(self, leases: dict[str, float]) -> None:
