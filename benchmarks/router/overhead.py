@@ -51,7 +51,7 @@ DEFINITIONS = {
     "messages_per_s": "gRPC messages the router received and sent per second: client requests in, "
                       "client responses out, replica messages in (step, pull, heartbeat) and out (assign)",
     "redis_round_trips_per_request": "router's own count (Lua calls and pipelines) / completed",
-    "redis_commands_per_request": "INFO commandstats calls delta / completed (EVALSHA counts 1)",
+    "redis_commands_per_request": "Redis-side work: INFO commandstats calls delta / completed (counts the EVALSHA and every command its script runs)",
 }
 
 
