@@ -20,7 +20,10 @@ class WorkerConfig:
     scheduler: str = "sarathi"
     auth_token: str = ""             # shared replica token, when the router requires one
     tls_ca_file: str = ""            # dial with TLS, trusting this CA bundle
-    prefetch: int = 2
+    # Requests pulled beyond free seats, so a freed seat is refilled without a
+    # round trip. Each one is bound to this replica early and may wait here
+    # while another replica is idle, so the default is none.
+    prefetch: int = 0
     reconnect_min_s: float = 0.2
     reconnect_max_s: float = 5.0
     drain_timeout_s: float = 30.0    # on SIGTERM: finish running work for this long, then hand back
@@ -58,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--dtype", default=_env("DTYPE"), help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--load-format", default=_env("LOAD_FORMAT", "auto"), choices=("auto", "dummy"))
     p.add_argument("--gpu-memory-utilization", type=float, default=float(_env("GPU_MEMORY_UTILIZATION", 0.9)))
-    p.add_argument("--prefetch", type=int, default=int(_env("PREFETCH", 2)))
+    p.add_argument("--prefetch", type=int, default=int(_env("PREFETCH", 0)),
+                   help="requests to pull beyond free seats (default 0: bind only when a seat is free)")
     p.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT_S", 30)))
     p.add_argument("--tls-ca-file", default=_env("TLS_CA_FILE", ""))
     p.add_argument("--metrics-port", type=int, default=int(_env("REPLICA_METRICS_PORT", 0)))
