@@ -1,6 +1,6 @@
 """GPU figures for the replica engine on a Llama-3.1-8B-shaped model (dummy bf16 weights).
 
-    python3 benchmarks/gpu/bench_engine.py --out results.json [--smoke] [--skip-hf]
+    python3 benchmarks/gpu/bench_engine.py --out results.json [--smoke] [--skip-hf] [--skip-offline]
 
 Measures, in one process, each section guarded so one failure leaves the others:
   ceilings   device-to-device copy bandwidth and bf16 matmul rate, measured here
@@ -14,6 +14,8 @@ Measures, in one process, each section guarded so one failure leaves the others:
              LLM.generate: output tokens/s
   hf         transformers' generate on the same shape: prefill and per-step decode time at a few
              batch sizes, extrapolated to the same 1000-request job (labelled as an estimate)
+  decode_unfused  when fused kernels ran (QUADRIGA_FUSED_OPS, default Triton): batch 1 and 32
+             decode again with them off (QUADRIGA_FUSED_OPS=0), an A/B in the same process
 Prints as it goes; the JSON at --out is rewritten after every section.
 """
 
@@ -325,6 +327,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-offline", action="store_true", help="leave out the 1000-request job (~1 min)")
     ap.add_argument("--requests", type=int, default=1000)
     args = ap.parse_args()
     OUT = Path(args.out)
@@ -345,10 +348,13 @@ def main() -> None:
         torch.cuda.empty_cache()
         section("startup")(startup)(str(model_dir), 256, 8192, holder)
     if "llm" in holder:
-        RESULTS["fused_ops"] = holder["llm"].engine.runner.model.fused is not None
+        fused = holder["llm"].engine.runner.model.fused
+        RESULTS["fused_ops"] = None if fused is None else fused.__name__
+        print(f"fused ops: {RESULTS['fused_ops']}", flush=True)
         section("decode")(decode)(holder, [1, 8, 32, 128, 256], ceil, 30, True)
         prefill(holder, [512, 2048, 8192], ceil, True)
-        offline(holder, args.requests, 1024, 256)
+        if not args.skip_offline:
+            offline(holder, args.requests, 1024, 256)
     holder.clear()
     gc.collect()
     torch.cuda.empty_cache()

@@ -22,22 +22,28 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def fused_kernels(device: torch.device, dtype: torch.dtype):
-    """The flashinfer module when its fused norm / rope / SwiGLU kernels should run
-    this model (CUDA, fp16/bf16, QUADRIGA_FUSED_OPS=1), else None.
+    """The module whose fused residual-add+RMSNorm, rotary and SiLU*up kernels run this
+    model's layers (CUDA, fp16/bf16), else None (plain torch ops).
 
-    Off by default: they would cut a decoder layer from ~40 small torch kernel
-    launches to ~12, but their JIT build on a fresh H200 machine was never seen
-    to finish (the run that first built them lost the machine), so they are
-    unmeasured; see docs/gpu.md."""
+    QUADRIGA_FUSED_OPS selects it: unset or "triton" -> replica_worker's Triton kernels
+    (model/triton_ops.py) when triton imports; "1" or "flashinfer" -> flashinfer's (its
+    norm/rope/activation JIT modules must already be built: their first build on a fresh
+    H200 machine was never seen to finish, see docs/gpu.md); "0" -> off. Both modules
+    expose the same four functions, so the fused forward calls either one the same way."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return None
-    if os.environ.get("QUADRIGA_FUSED_OPS", "0") != "1":
-        return None
-    try:
-        import flashinfer
-    except Exception:
-        return None
-    return flashinfer
+    mode = os.environ.get("QUADRIGA_FUSED_OPS", "triton").strip().lower()
+    if mode in ("1", "flashinfer"):
+        try:
+            import flashinfer
+        except Exception:
+            return None
+        return flashinfer
+    if mode in ("triton", ""):
+        from replica_worker.engine.model import triton_ops
+
+        return triton_ops if triton_ops.available() else None
+    return None
 
 
 @dataclass(frozen=True)

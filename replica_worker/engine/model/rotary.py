@@ -58,10 +58,20 @@ class RotaryEmbedding(torch.nn.Module):
         # Cast like transformers does (cos/sin in float32, then to the activation dtype).
         self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
-        # float32 [P, head_dim]: cos of each frequency, then sin (flashinfer's fused rope).
-        self._cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1) if torch.device(device).type == "cuda" else None
+        # float32 [P, head_dim]: cos of each frequency, then sin (the fused rope kernels').
+        # Built up front on CUDA (before any graph capture), on first use elsewhere.
+        self._inv_freq = inv_freq
+        self._cos_sin = self._build_cos_sin(positions) if torch.device(device).type == "cuda" else None
+        self._max_positions = max_positions
+
+    def _build_cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
+        freqs = torch.outer(positions, self._inv_freq)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
     def cos_sin_cache(self) -> torch.Tensor:
+        if self._cos_sin is None:
+            positions = torch.arange(self._max_positions, dtype=torch.float32, device=self._inv_freq.device)
+            self._cos_sin = self._build_cos_sin(positions)
         return self._cos_sin
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,138 @@
+"""Triton kernels of replica_worker.engine.model.triton_ops against their torch definitions.
+
+Runs on CUDA when there is one, else on the CPU under Triton's interpreter
+(TRITON_INTERPRET=1 set before triton is imported); skipped without triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA device and the Triton interpreter is off", allow_module_level=True)
+
+from replica_worker.engine.model import triton_ops as ops  # noqa: E402
+from replica_worker.engine.model.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _close(a, b, dtype, ulps=1):
+    # Agreement to about two rounding steps of the output dtype (the kernels round where
+    # torch does, but a last-bit difference in the fp32 reduction can flip a rounding).
+    tol = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype] * ulps
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,hidden", [(1, 256), (5, 384), (3, 4096)])
+def test_rmsnorm(dtype, rows, hidden):
+    g = torch.Generator().manual_seed(rows * hidden)
+    x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype).to(DEV)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEV)
+    _close(ops.rmsnorm(x, w, 1e-5), ops.rmsnorm_ref(x, w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,hidden", [(1, 256), (7, 320), (2, 4096)])
+def test_fused_add_rmsnorm(dtype, rows, hidden):
+    g = torch.Generator().manual_seed(rows + hidden)
+    x = torch.randn(rows, hidden, generator=g).to(dtype).to(DEV)
+    res = (torch.randn(rows, hidden, generator=g) * 4).to(dtype).to(DEV)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEV)
+    x_ref, res_ref = x.clone(), res.clone()
+    ops.fused_add_rmsnorm_ref(x_ref, res_ref, w, 1e-5)
+    ops.fused_add_rmsnorm(x, res, w, 1e-5)
+    if DEV == "cuda":
+        assert torch.equal(res, res_ref)  # the residual sum rounds exactly as torch's add
+    else:  # the interpreter's fp32 -> bf16 cast truncates instead of rounding to nearest
+        _close(res, res_ref, dtype)
+    _close(x, x_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,inter", [(1, 512), (4, 1000), (3, 2304)])
+def test_silu_and_mul(dtype, rows, inter):
+    g = torch.Generator().manual_seed(rows * inter)
+    x = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype).to(DEV)
+    _close(ops.silu_and_mul(x), ops.silu_and_mul_ref(x), dtype)
+
+
+def test_silu_and_mul_of_a_strided_batch():
+    x = torch.randn(6, 2 * 256).to(torch.bfloat16).to(DEV)
+    y = x.view(3, 2, 512)
+    _close(ops.silu_and_mul(y).view(6, 256), ops.silu_and_mul_ref(x), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n_q,n_k,head_dim", [(4, 2, 64), (6, 2, 128), (32, 8, 128), (3, 3, 32)])
+def test_rope_on_qkv_views(dtype, n_q, n_k, head_dim):
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    emb = RotaryEmbedding(rope, head_dim, 4096, dtype=dtype, device="cpu")
+    inv = inverse_frequencies(rope, head_dim)
+    f = torch.outer(torch.arange(4096, dtype=torch.float32), inv)
+    cos_sin = torch.cat((f.cos(), f.sin()), dim=-1).to(DEV)
+    t = 9
+    g = torch.Generator().manual_seed(n_q * head_dim)
+    qkv = torch.randn(t, (n_q + 2 * n_k) * head_dim, generator=g).to(dtype).to(DEV)
+    q, k, _ = qkv.split((n_q * head_dim, n_k * head_dim, n_k * head_dim), dim=-1)
+    positions = torch.tensor([0, 1, 2, 100, 1023, 4095, 7, 7, 3000]).to(DEV)
+    q_ref, k_ref = ops.rope_ref(positions, q, k, head_dim, cos_sin)
+    before = qkv.clone()
+    q_out, k_out = ops.apply_rope_with_cos_sin_cache(positions, q, k, head_dim, cos_sin, is_neox=True)
+    assert torch.equal(qkv, before)  # out of place
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    _close(q_out, q_ref, dtype)
+    _close(k_out, k_ref, dtype)
+    # and against the model's own rotary (bf16 cos/sin tables): within bf16 noise
+    cos, sin = emb.lookup(positions.cpu())
+    q_model = apply_rotary(q.cpu().view(t, n_q, head_dim), cos, sin).reshape(t, -1)
+    _close(q_out.cpu(), q_model, dtype, ulps=4)
+
+
+def test_empty_inputs():
+    x = torch.empty(0, 256, dtype=torch.bfloat16, device=DEV)
+    w = torch.ones(256, dtype=torch.bfloat16, device=DEV)
+    assert ops.rmsnorm(x, w).shape == (0, 256)
+    assert ops.silu_and_mul(torch.empty(0, 512, dtype=torch.bfloat16, device=DEV)).shape == (0, 256)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_fused_forward_matches_the_torch_forward(tiny_model_factory, arch):
+    """The whole model with the kernels (as llama.fused_kernels selects on CUDA) against
+    its plain torch forward, bf16, one prompt through the paged path."""
+    from replica_worker.engine.attention import TorchAttentionBackend, build_attention_metadata
+    from replica_worker.engine.config import ModelConfig
+    from replica_worker.engine.kv_cache import KVCache
+    from replica_worker.engine.model import get_model, load_hf_config
+
+    path = tiny_model_factory(arch)
+    cfg = load_hf_config(path)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    backend = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
+    model = get_model(ModelConfig(str(path), dtype="bfloat16", load_format="dummy"), backend, DEV, 256)
+    prompt = list(range(3, 40, 2))
+    bs = 4
+    blocks = -(-len(prompt) // bs)
+
+    def run(fused):
+        model.fused = fused
+        cache = KVCache(model.shape.num_layers, blocks, bs, model.shape.num_kv_heads, head_dim, torch.bfloat16, DEV)
+        md, positions, _ = build_attention_metadata([0], [len(prompt)], [list(range(blocks))], 1, bs, DEV)
+        backend.prepare(md)
+        with torch.inference_mode():
+            return model(torch.tensor(prompt, device=DEV), positions, cache.layers, md).float(), cache
+
+    ref, ref_cache = run(None)
+    out, cache = run(ops)
+    scale = ref.abs().max()
+    assert (out - ref).abs().max() <= 0.05 * scale, ((out - ref).abs().max(), scale)
+    for a, b in zip(cache.layers, ref_cache.layers):
+        assert (a.float() - b.float()).abs().max() <= 0.05 * b.float().abs().max()
