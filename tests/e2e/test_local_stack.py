@@ -1,0 +1,49 @@
+"""The README's main job: `python -m stack` answers real requests and stops cleanly on Ctrl-C."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from common.redis_server import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_stack_serves_the_client_cli_and_stops_on_ctrl_c(tmp_path, tiny_model):
+    port = free_port()
+    stack = subprocess.Popen(
+        [sys.executable, "-m", "stack", "--replicas", "2", "--port", str(port),
+         "--metrics-port", str(free_port()), "--model", str(tiny_model), "--log-dir", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    lines = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = stack.stdout.readline()
+            assert line, "stack exited early:\n" + "".join(lines)
+            lines.append(line)
+            if line.startswith("ready:"):
+                break
+        assert any("embedded" in x for x in lines), "no --redis-url: an embedded Redis is started"
+        client = subprocess.run(
+            [sys.executable, "-m", "client", "--router", f"127.0.0.1:{port}", "café 東京",
+             "--max-tokens", "12", "--temperature", "0", "--ignore-eos", "--timings"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )
+        assert client.returncode == 0, client.stderr
+        assert "[length]" in client.stderr
+        assert "output_tokens: 12" in client.stderr
+        stack.send_signal(signal.SIGINT)
+        rest, _ = stack.communicate(timeout=60)
+        assert stack.returncode == 0, rest
+        assert "stopping" in rest
+    finally:
+        if stack.poll() is None:
+            os.killpg(stack.pid, signal.SIGKILL)
+    # Every child (router, replicas, Redis) is gone with the stack.
+    leftovers = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == ""
