@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import ssl
 
 import hiredis
 
@@ -53,9 +54,24 @@ class _Protocol(asyncio.Protocol):
                 fut.set_exception(ConnectionError(f"Redis connection lost: {exc}"))
 
 
+def tls_context(kw: dict) -> ssl.SSLContext:
+    """The TLS settings a rediss:// URL gave redis-py (ssl_cert_reqs, ssl_ca_certs, ...)."""
+    ctx = ssl.create_default_context(cafile=kw.get("ssl_ca_certs"), capath=kw.get("ssl_ca_path"))
+    if kw.get("ssl_certfile"):
+        ctx.load_cert_chain(kw["ssl_certfile"], kw.get("ssl_keyfile"), kw.get("ssl_password"))
+    reqs = kw.get("ssl_cert_reqs", "required")
+    if reqs in ("none", ssl.CERT_NONE):
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    else:
+        ctx.check_hostname = kw.get("ssl_check_hostname", True)
+    return ctx
+
+
 class LeanRedis:
-    def __init__(self, connection_kwargs: dict):
+    def __init__(self, connection_kwargs: dict, tls: bool = False):
         self.kw = connection_kwargs
+        self._tls = tls_context(connection_kwargs) if tls else None
         self._proto: _Protocol | None = None
         self._connecting: asyncio.Future | None = None
 
@@ -65,8 +81,10 @@ class LeanRedis:
         if kw.get("path"):
             _, proto = await loop.create_unix_connection(_Protocol, kw["path"])
         else:
-            _, proto = await loop.create_connection(_Protocol, kw.get("host", "127.0.0.1"),
-                                                    kw.get("port", 6379))
+            host = kw.get("host", "127.0.0.1")
+            _, proto = await loop.create_connection(
+                _Protocol, host, kw.get("port", 6379), ssl=self._tls,
+                server_hostname=host if self._tls else None)
         setup = []
         if kw.get("password"):
             setup.append(("AUTH", *([kw["username"]] if kw.get("username") else []), kw["password"]))

@@ -101,7 +101,9 @@ class Store:
         self._move = self.redis.register_script(lua.MOVE)
         self._cancel_queued = self.redis.register_script(lua.CANCEL_QUEUED)
         # Hot-path scripts (submit, pop, step writes) go over one lean connection.
-        self.lean = LeanRedis(self.redis.connection_pool.connection_kwargs)
+        pool = self.redis.connection_pool
+        self.lean = LeanRedis(pool.connection_kwargs,
+                              tls=issubclass(pool.connection_class, aioredis.SSLConnection))
         self._submit_many = self.lean.script(lua.SUBMIT_MANY)
         self._pop = self.lean.script(lua.POP)
         self._step = self.lean.script(lua.STEP)
