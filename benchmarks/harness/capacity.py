@@ -7,10 +7,19 @@ from __future__ import annotations
 from typing import Callable
 
 
-def probe_passes(summary: dict, tbt_slo_s: float, sched_delay_p50_s: float = 2.0) -> tuple[bool, str]:
-    """The pass rule on an aggregate from metrics.aggregate."""
+def probe_passes(summary: dict, tbt_slo_s: float, sched_delay_p50_s: float = 2.0,
+                 offered_rate: float | None = None, keep_up: float = 0.9) -> tuple[bool, str]:
+    """The pass rule on an aggregate from metrics.aggregate.
+
+    A short probe of an overloaded system can end before its queue makes the
+    median scheduling delay exceed the bound, so a probe also fails when the
+    system delivers less than keep_up of the offered rate: it is not keeping up.
+    """
     if summary["errors"]:
         return False, f"{summary['errors']} errors"
+    achieved = summary.get("throughput_req_s")
+    if offered_rate and achieved is not None and achieved < keep_up * offered_rate:
+        return False, f"delivered {achieved:.2f} of {offered_rate:.2f} req/s offered"
     tbt = summary["tbt_s"]["p99"]
     sched = summary["server_scheduling_delay_s"]["p50"]
     if tbt is None or tbt > tbt_slo_s:

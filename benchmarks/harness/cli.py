@@ -323,7 +323,7 @@ def find_capacity(a, target: Target, model, spec: WorkloadSpec, slo: M.SLO, out_
         reqs = generate(sp, rate=rate)
         stem = f"{a.name}-probe-{rate:.3f}"
         summary, _ = measured(target, a, model, reqs, f"probe {rate:.2f} req/s", slo, out_dir, stem)
-        ok, why = cap.probe_passes(summary, slo.tbt_s, slo.sched_delay_p50_s)
+        ok, why = cap.probe_passes(summary, slo.tbt_s, slo.sched_delay_p50_s, offered_rate=rate)
         log(f"  probe {rate:.3f} req/s: {'PASS' if ok else 'fail'} ({why})")
         probes.append({"rate": rate, "passed": ok, "why": why, "summary": summary})
         return ok

@@ -37,3 +37,5 @@ def test_probe_rule():
     assert not probe_passes({**s, "tbt_s": {"p99": 0.2}}, 0.1)[0]
     assert not probe_passes({**s, "server_scheduling_delay_s": {"p50": 2.5}}, 0.1)[0]
     assert not probe_passes({**s, "errors": 1}, 0.1)[0]
+    assert probe_passes({**s, "throughput_req_s": 9.5}, 0.1, offered_rate=10)[0]
+    assert not probe_passes({**s, "throughput_req_s": 6.0}, 0.1, offered_rate=10)[0]
