@@ -91,10 +91,12 @@ def start(a, log_dir: Path, model: str, children: list[Child], servers: list) ->
     address = f"127.0.0.1:{a.port}"
     wait_for_health(address, router, timeout=60)
     print(f"router     {address} (policy {a.policy}; metrics http://127.0.0.1:{a.metrics_port}/metrics)")
+    # CPU replicas share this machine's cores instead of each spinning on all of them.
+    threads = ["--threads", str(max(1, (os.cpu_count() or 1) // a.replicas))] if a.device == "cpu" else []
     for i in range(a.replicas):
         replica = Child(f"replica-{i}", ["-m", "replica_worker", "--router", address, "--model", model,
                                          "--replica-id", f"replica-{i}", "--device", a.device,
-                                         "--scheduler", a.scheduler, *a.replica_arg], log_dir)
+                                         "--scheduler", a.scheduler, *threads, *a.replica_arg], log_dir)
         children.append(replica)
     for replica in children[1:]:
         wait_for_log(replica, "registered with router", timeout=180)

@@ -15,6 +15,10 @@ log = logging.getLogger(__name__)
 
 
 def build_worker(config: WorkerConfig) -> ReplicaWorker:
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
     engine_cfg = engine_config(
         config.model, scheduler=config.scheduler, device=config.device, **dict(config.engine_args)
     )

@@ -28,6 +28,7 @@ class WorkerConfig:
     reconnect_max_s: float = 5.0
     drain_timeout_s: float = 30.0    # on SIGTERM: finish running work for this long, then hand back
     metrics_port: int = 0            # Prometheus endpoint; 0: none
+    threads: int = 0                 # torch CPU threads; 0: torch's default (all cores)
     engine_args: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
@@ -37,6 +38,8 @@ class WorkerConfig:
             raise ValueError(f"--scheduler must be one of {SCHEDULER_NAMES}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port {self.metrics_port} is not a TCP port")
+        if self.threads < 0:
+            raise ValueError("--threads must be non-negative")
         if self.prefetch < 0 or self.drain_timeout_s < 0:
             raise ValueError("prefetch and drain timeout must be non-negative")
 
@@ -66,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT_S", 30)))
     p.add_argument("--tls-ca-file", default=_env("TLS_CA_FILE", ""))
     p.add_argument("--metrics-port", type=int, default=int(_env("REPLICA_METRICS_PORT", 0)))
+    p.add_argument("--threads", type=int, default=int(_env("TORCH_THREADS", 0)),
+                   help="torch CPU threads (default: all cores); give each of N CPU replicas on one "
+                        "machine cores/N so they do not oversubscribe it")
     a = p.parse_args(argv)
     engine_args = {
         "chunk_size": a.chunk_size,
@@ -90,5 +96,6 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         prefetch=a.prefetch,
         drain_timeout_s=a.drain_timeout,
         metrics_port=a.metrics_port,
+        threads=a.threads,
         engine_args=tuple(sorted(engine_args.items())),
     )
