@@ -52,8 +52,9 @@ def test_greedy_outputs_equal_transformers_on_two_replicas(live_stack, hf_refere
     assert replicas == {"r0", "r1"}, "both replicas should have served"
 
 
-def test_replica_killed_mid_generation_loses_nothing(live_stack, hf_reference):
-    stack = live_stack("pull")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_replica_killed_mid_generation_loses_nothing(live_stack, hf_reference, policy):
+    stack = live_stack(policy)
     stack.start_replica("r0", "--max-num-seqs", "4")
     stack.start_replica("r1", "--max-num-seqs", "4")
     max_tokens = 300
