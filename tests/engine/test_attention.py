@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,17 +12,9 @@ from replica_worker.engine.attention import TorchAttentionBackend, build_attenti
 from replica_worker.engine.config import CacheConfig, EngineConfig, ModelConfig
 from replica_worker.engine.model_runner import ModelRunner
 from replica_worker.engine.sampling_params import SamplingParams
+from replica_worker.engine.schedulers.base import ScheduledChunk as Chunk
 from replica_worker.engine.sequence import Sequence
 
-
-@dataclass
-class Chunk:
-    seq: Sequence
-    num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
 
 
 def test_metadata_fields():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,19 +12,11 @@ from replica_worker.engine.config import CacheConfig, EngineConfig, ModelConfig
 from replica_worker.engine.kv_cache import bytes_per_block
 from replica_worker.engine.model_runner import ModelRunner
 from replica_worker.engine.sampling_params import SamplingParams
+from replica_worker.engine.schedulers.base import ScheduledChunk as Chunk
 from replica_worker.engine.sequence import Sequence
 
 BLOCK = 4
 
-
-@dataclass
-class Chunk:
-    seq: Sequence
-    num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
 
 
 class HandScheduler:
