@@ -4,6 +4,7 @@ channels (many concurrent server streams each) and times every delta on arrival.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import sys
 import time
@@ -12,10 +13,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from client.api import FINISH_NAMES, aio_channel, make_request
+from client.api import FINISH_NAMES, aio_channel, make_request, metadata
 from common.pb.quadriga.v1 import generation_pb2_grpc
 
 from benchmarks.harness.workload import Request
+
+# A router that requires client API keys gets the one in QUADRIGA_API_KEY (environment only).
+_API_KEY_METADATA = metadata(os.environ.get("QUADRIGA_API_KEY", "")) or None
 
 
 @dataclass
@@ -118,7 +122,7 @@ async def _one(stub, req: Request, res: Result, t0: float, stream_interval: int,
     res.sent_s = time.monotonic() - t0
     progress.sent += 1
     try:
-        call = stub.Generate(msg, timeout=timeout)
+        call = stub.Generate(msg, timeout=timeout, metadata=_API_KEY_METADATA)
         async for m in call:
             now = time.monotonic() - t0
             k = len(m.token_ids)
