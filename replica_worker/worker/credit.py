@@ -39,8 +39,13 @@ class PullCredit:
         want_requests = capacity.max_requests + (self.prefetch if capacity.max_requests else 0)
         requests = want_requests - queued_requests - self.outstanding_requests
         tokens = capacity.max_prompt_tokens - queued_tokens - self.outstanding_tokens
-        if requests <= 0 or tokens <= 0:
+        # Each dimension is topped up on its own: a grant made under a prefill
+        # backlog leaves many seats but few tokens outstanding, and refusing
+        # to add tokens until the seats are used would idle the replica.
+        # Tokens are never granted alone as 0: a Pull's 0 means "no limit".
+        if tokens <= 0:
             return None
+        requests = max(requests, 0)
         self.outstanding_requests += requests
         self.outstanding_tokens += tokens
         return requests, tokens
