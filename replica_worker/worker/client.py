@@ -229,6 +229,10 @@ class ReplicaWorker:
         self.credit.on_assigned(len(assignments), tokens)
         if rejected:
             self._send(pb.ReplicaMessage(step=pb.StepOutputs(deltas=rejected)))
+            # Their credit is spent and no engine step may follow (an idle
+            # engine reports only when it has work): ask for a report so the
+            # capacity they never took is granted again.
+            self.engine_loop.request_report()
 
     async def _heartbeats(self) -> None:
         while True:

@@ -1,0 +1,98 @@
+"""ReplicaWorker with a scripted engine: credit, invalid work, engine failures, cancels."""
+
+import asyncio
+
+from common.pb.quadriga.v1 import generation_pb2 as gpb
+from common.pb.quadriga.v1 import replica_pb2 as pb
+from tests.worker.fakes import FakeEngine, Wired, assignment, make_worker
+
+
+def run(coro, timeout=20):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def assign(worker, *assignments):
+    worker._on_router_message(pb.RouterMessage(assign=pb.Assign(assignments=list(assignments))))
+
+
+def deltas_of(msgs):
+    return [d for m in msgs if m is not None and m.WhichOneof("kind") == "step" for d in m.step.deltas]
+
+
+def test_invalid_assignment_gets_an_error_and_its_credit_back():
+    async def main():
+        engine = FakeEngine(seats=1, tokens=100)
+        worker = make_worker(engine)
+        async with Wired(worker) as w:
+            worker.engine_loop.request_report()
+            pull = (await w.next("pull")).pull
+            assert (pull.max_requests, pull.max_prompt_tokens) == (1, 100)
+            # top_p out of range: rejected before it reaches the engine.
+            assign(worker, assignment("bad", top_p=5.0))
+            step = (await w.next("step")).step
+            assert [d.request_id for d in step.deltas] == ["bad"]
+            assert step.deltas[0].finish_reason == gpb.FINISH_REASON_ERROR and "top_p" in step.deltas[0].error
+            # The router spent its credit on it; the idle replica must ask again.
+            pull = (await w.next("pull")).pull
+            assert (pull.max_requests, pull.max_prompt_tokens) == (1, 100)
+            assert not worker.book.live
+    run(main())
+
+
+def test_engine_step_failure_fails_its_requests_and_the_worker_lives():
+    async def main():
+        engine = FakeEngine(seats=4, length=3)
+        worker = make_worker(engine)
+        async with Wired(worker) as w:
+            engine.fail_steps = 1
+            assign(worker, assignment("a"))
+            msgs = []
+            while not any(d.HasField("finish_reason") for d in deltas_of(msgs)):
+                msgs.append(await w.next())
+            [d] = [d for d in deltas_of(msgs) if d.request_id == "a"]
+            assert d.finish_reason == gpb.FINISH_REASON_ERROR and "engine step failed" in d.error
+            assert d.output_offset == 0
+            assert not worker.book.live and not worker.book.queued
+            # The next request runs normally.
+            assign(worker, assignment("b"))
+            got = []
+            while not got or not got[-1].HasField("finish_reason"):
+                got += [d for d in deltas_of([await w.next("step")]) if d.request_id == "b"]
+            assert [d.output_offset for d in got] == [0, 1, 2]
+    run(main())
+
+
+def test_unexpected_add_error_fails_that_request_only():
+    async def main():
+        engine = FakeEngine(seats=4, length=2)
+        worker = make_worker(engine)
+        async with Wired(worker) as w:
+            engine.fail_add = {"bad"}
+            engine.hold = True  # keep both commands in one inbox batch
+            assign(worker, assignment("bad"), assignment("good"))
+            await asyncio.sleep(0.1)
+            engine.hold = False
+            worker.engine_loop.request_report()
+            seen = {}
+            while len(seen) < 2:
+                for d in deltas_of([await w.next("step")]):
+                    if d.HasField("finish_reason"):
+                        seen[d.request_id] = d
+            assert seen["bad"].finish_reason == gpb.FINISH_REASON_ERROR
+            assert seen["good"].finish_reason == gpb.FINISH_REASON_LENGTH
+            assert not worker.book.live and not worker.book.queued
+    run(main())
+
+
+def test_cancel_while_the_add_is_still_queued_sends_nothing_for_it():
+    async def main():
+        engine = FakeEngine(seats=4, length=3)
+        worker = make_worker(engine)
+        async with Wired(worker) as w:
+            with worker.engine_loop._wake:  # the engine thread cannot take the inbox yet
+                assign(worker, assignment("a"), assignment("b"))
+                worker._on_router_message(pb.RouterMessage(cancel=pb.CancelRequests(request_ids=["a"])))
+            msgs = await w.settle(0.5)
+            assert {d.request_id for d in deltas_of(msgs)} == {"b"}
+            assert not engine.reqs and not worker.book.live and not worker.book.queued
+    run(main())
