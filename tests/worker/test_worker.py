@@ -32,9 +32,11 @@ def test_invalid_assignment_gets_an_error_and_its_credit_back():
             step = (await w.next("step")).step
             assert [d.request_id for d in step.deltas] == ["bad"]
             assert step.deltas[0].finish_reason == gpb.FINISH_REASON_ERROR and "top_p" in step.deltas[0].error
-            # The router spent its credit on it; the idle replica must ask again.
+            # The router spent its credit on it; the idle replica must ask again
+            # (on top of the 97 tokens still outstanding).
             pull = (await w.next("pull")).pull
-            assert (pull.max_requests, pull.max_prompt_tokens) == (1, 100)
+            assert (pull.max_requests, pull.max_prompt_tokens) == (1, 3)
+            assert (worker.credit.outstanding_requests, worker.credit.outstanding_tokens) == (1, 100)
             assert not worker.book.live
     run(main())
 
