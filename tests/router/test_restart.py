@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 N = 60  # output tokens per request: about 2 s of scripted steps
 
 
-def start_router(port, redis_url, model, prefix, log, lease_ttl):
-    env = {**os.environ, "QUADRIGA_REDIS_PREFIX": prefix, "PYTHONPATH": str(ROOT)}
+def start_router(port, redis_url, model, prefix, log, lease_ttl, policy="pull"):
+    env = {**os.environ, "QUADRIGA_REDIS_PREFIX": prefix, "PYTHONPATH": str(ROOT),
+           "QUADRIGA_ROUTER_POLICY": policy}
     return subprocess.Popen(
         [sys.executable, "-m", "router", "--port", str(port), "--host", "127.0.0.1",
          "--redis-url", redis_url, "--model", str(model), "--lease-ttl", str(lease_ttl),
@@ -31,10 +32,11 @@ def start_router(port, redis_url, model, prefix, log, lease_ttl):
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def start_replica(port, rid, vocab, log):
+def start_replica(port, rid, vocab, log, capacity=8):
     return subprocess.Popen(
         [sys.executable, "-m", "tests.support.scripted_replica", "--router", f"127.0.0.1:{port}",
-         "--id", rid, "--vocab", str(vocab), "--step-delay", "0.03", "--reconnect"],
+         "--id", rid, "--vocab", str(vocab), "--step-delay", "0.03", "--reconnect",
+         "--capacity", str(capacity)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -89,6 +91,69 @@ def test_router_sigkill_and_restart_loses_nothing(redis_url, tiny_model, tmp_pat
         for (rid, p), msgs in zip(prompts.items(), results):
             assert tokens_of(msgs) == expected_tokens(p, N, vocab), rid
             assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
+
+    try:
+        arun(scenario(), timeout=150)
+    finally:
+        for proc in [router, *replicas]:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def assert_no_leaks(redis_url, prefix):
+    """After every request finished: empty queues and in-flight set, and every
+    request key expires (result_ttl)."""
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        for key in r.scan_iter(match=f"{prefix}*"):
+            name = key.decode()[len(prefix):]
+            if name == "seq":
+                continue
+            assert not name.startswith("q:") and name != "inflight", (name, r.type(key))
+            assert r.ttl(key) > 0, f"{name} never expires"
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("policy,lease_ttl", [("round_robin", 2), ("least_outstanding", 30)],
+                         ids=["round_robin-leases-expire", "least_outstanding-replicas-keep-work"])
+def test_restart_with_per_replica_queues_loses_nothing(redis_url, tiny_model, tmp_path, arun,
+                                                       policy, lease_ttl):
+    """Per-replica policies: the router dies while some requests wait in the
+    replicas' own queues and others run; all finish exactly once."""
+    port, prefix = free_port(), f"restart{uuid.uuid4().hex[:6]}:"
+    vocab = vocab_size(tiny_model)
+    log = open(tmp_path / "procs.log", "w")
+    router = start_router(port, redis_url, tiny_model, prefix, log, lease_ttl, policy)
+    replicas = [start_replica(port, f"r{i}", vocab, log, capacity=3) for i in range(2)]
+    prompts = {f"job{i}": [i + 1, 9] for i in range(12)}
+
+    async def scenario():
+        nonlocal router
+        progress: dict = {}
+        breaks: list = []
+        async with client(f"127.0.0.1:{port}") as stub:
+            reqs = [request(p, N, request_id=rid) for rid, p in prompts.items()]
+            tasks = [asyncio.create_task(follow(stub, r, progress, breaks)) for r in reqs]
+            deadline = time.monotonic() + 60
+            # 6 run (3 per replica); the other 6 wait in per-replica queues.
+            while len(progress) < 6 or min(progress.values()) < 3:
+                assert time.monotonic() < deadline and router.poll() is None, "router never served"
+                await asyncio.sleep(0.05)
+            assert max(progress.values()) < N and len(progress) < len(reqs)
+            router.send_signal(signal.SIGKILL)
+            router.wait()
+            await asyncio.sleep(0.5)
+            router = start_router(port, redis_url, tiny_model, prefix, log, lease_ttl, policy)
+            results = await asyncio.gather(*tasks)
+        for (rid, p), msgs in zip(prompts.items(), results):
+            assert tokens_of(msgs) == expected_tokens(p, N, vocab), rid
+            assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
+        await asyncio.sleep(0.5)
+        assert_no_leaks(redis_url, prefix)
 
     try:
         arun(scenario(), timeout=150)
