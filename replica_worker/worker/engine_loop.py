@@ -119,11 +119,22 @@ class EngineLoop:
                 resume_text_len=command.resume_text_len,
             )
         except InvalidRequestError as exc:
-            return RequestDelta(
-                command.request_id, [], "", len(command.resume_token_ids),
-                finish_reason="error", error=str(exc),
-            )
-        return None
+            error = str(exc)
+        except Exception as exc:
+            # Fail this request only: the rest of the batch (other adds, aborts)
+            # must still be applied, or its requests would hang unseen.
+            log.exception("adding request %s failed", command.request_id)
+            error = f"replica failed to add the request: {exc}"
+            try:
+                self._engine.abort_request(command.request_id)  # in case it got half in
+            except Exception:
+                log.exception("cleaning up request %s failed", command.request_id)
+        else:
+            return None
+        return RequestDelta(
+            command.request_id, [], "", len(command.resume_token_ids),
+            finish_reason="error", error=error,
+        )
 
     def _report(self, result: StepResult) -> None:
         self._on_report(EngineReport(
