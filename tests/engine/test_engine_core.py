@@ -115,3 +115,28 @@ def test_request_that_can_never_fit_is_rejected(tiny_model):
         llm.engine.add_request("big", list(range(3, 60)), SamplingParams(max_tokens=20))
     out = llm.generate([[3, 4]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8
+
+
+def test_stop_string_spanning_the_resume_boundary(llm):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    full = llm.generate(["the model"], params)[0]
+    tok = llm.engine.tokenizer
+    prompt = llm._encode("the model")
+    for k in range(3, 20):
+        head = tok.decode(full.token_ids[:k], skip_special_tokens=True)
+        stop = full.text[len(head) - 2: len(head) + 2]
+        if len(head) >= 2 and len(stop) == 4 and full.text.index(stop) == len(head) - 2:
+            break
+    else:
+        pytest.skip("no visible stop string across a token boundary")
+    # The earlier replica held back the stop string's first two characters.
+    engine = llm.engine
+    engine.add_request("s", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
+                       resume_token_ids=full.token_ids[:k], resume_text_len=len(head) - 2)
+    text, finish = "", None
+    while engine.has_unfinished():
+        for d in engine.step().deltas:
+            text += d.text
+            finish = d.finish_reason or finish
+    assert finish == "stop"
+    assert head[: len(head) - 2] + text == full.text[: full.text.index(stop)]
