@@ -142,15 +142,27 @@ return 1
 # one call. ARGV: prefix, ttl seconds, then 12 per delta:
 #   id, packed tokens, text, ft, fs, finished (1/0), fr, err, rep, fin, pre, asg
 # ('' = nothing to write for that field). A finish also stamps ft/fs, leaves the
-# inflight set and starts the result TTL on req/out/txt.
+# inflight set and starts the result TTL on req/out/txt; output keys created
+# after the request was finished elsewhere (cancel) get the TTL too.
 STEP = """
 local prefix, ttl = ARGV[1], tonumber(ARGV[2])
 for i = 3, #ARGV, 12 do
   local id = ARGV[i]
   local h = prefix .. 'req:' .. id
   local o, t = prefix .. 'out:' .. id, prefix .. 'txt:' .. id
-  if ARGV[i + 1] ~= '' then redis.call('APPEND', o, ARGV[i + 1]) end
-  if ARGV[i + 2] ~= '' then redis.call('APPEND', t, ARGV[i + 2]) end
+  -- An APPEND that creates the key after the request was finished (a cancel
+  -- recorded while this write was in flight) must not leave a key without TTL.
+  local created = false
+  if ARGV[i + 1] ~= '' and redis.call('APPEND', o, ARGV[i + 1]) == #ARGV[i + 1] then
+    created = true
+  end
+  if ARGV[i + 2] ~= '' and redis.call('APPEND', t, ARGV[i + 2]) == #ARGV[i + 2] then
+    created = true
+  end
+  if created and ARGV[i + 5] ~= '1' and redis.call('HGET', h, 'st') == 'f' then
+    redis.call('EXPIRE', o, ttl)
+    redis.call('EXPIRE', t, ttl)
+  end
   if ARGV[i + 5] == '1' then
     redis.call('HSET', h, 'fr', ARGV[i + 6], 'err', ARGV[i + 7], 'rep', ARGV[i + 8],
       'fin', ARGV[i + 9], 'ft', ARGV[i + 3], 'fs', ARGV[i + 4], 'pre', ARGV[i + 10],

@@ -1,0 +1,55 @@
+"""Races between client actions, replica messages and in-flight Redis calls."""
+
+import asyncio
+
+from common.pb.quadriga.v1 import generation_pb2 as gpb
+from tests.router.test_scheduling import wait_until
+from tests.support.router_harness import (Replicas, client, collect, make_config, request,
+                                          running_router)
+
+
+def hold_calls(obj, attr):
+    """Wraps the coroutine method obj.attr so each call waits for `gate`;
+    `entered` is set when a call is waiting."""
+    original = getattr(obj, attr)
+    gate, entered = asyncio.Event(), asyncio.Event()
+
+    async def held(*args, **kwargs):
+        entered.set()
+        await gate.wait()
+        return await original(*args, **kwargs)
+
+    setattr(obj, attr, held)
+    return gate, entered
+
+
+async def keys_without_ttl(store) -> list[str]:
+    out = []
+    async for key in store.redis.scan_iter(match=f"{store.prefix}*"):
+        name = key.decode()[len(store.prefix):]
+        if name != "seq" and await store.redis.ttl(key) < 0:
+            out.append(name)
+    return out
+
+
+def test_cancel_while_first_step_write_in_flight_leaks_no_key(redis_url, tiny_model, arun):
+    """The first output of a request is being written when the client cancels:
+    the output keys it creates still expire with the result."""
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            store = app.core.store
+            gate, entered = hold_calls(store._steps, "_flush")
+            reps = Replicas(app.address, app.core.limits.vocab_size)
+            await reps.add("r", step_delay=0.05)
+            async with client(app.address) as stub:
+                t = asyncio.create_task(collect(stub, request([3], 50, request_id="c")))
+                await asyncio.wait_for(entered.wait(), 10)
+                assert (await stub.Cancel(gpb.CancelRequest(request_id="c"))).cancelled
+                gate.set()
+                msgs = await t
+                assert msgs[-1].finish_reason == gpb.FINISH_REASON_CANCELLED
+            await reps.close()
+            await asyncio.sleep(0.2)
+            assert await keys_without_ttl(store) == []
+
+    arun(scenario())
