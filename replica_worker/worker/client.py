@@ -224,7 +224,7 @@ class ReplicaWorker:
                     request_id=a.request_id, output_offset=len(a.resume_token_ids),
                     finish_reason=protocol.FINISH_REASONS["error"], error=str(exc)))
                 continue
-            self.book.assigned(a.request_id, context)
+            self.book.assigned(a.request_id, context, len(a.resume_token_ids))
             self.engine_loop.submit(command)
         self.credit.on_assigned(len(assignments), tokens)
         if rejected:

@@ -15,6 +15,7 @@ class LiveRequest:
     # client sees each token once whichever deltas were lost in flight.
     history: list[pb.RequestDelta] = field(default_factory=list)
     first_scheduled_sent: bool = False
+    next_offset: int = 0  # output_offset the router expects next (resumed tokens included)
     finished: bool = False  # finished while the router was away; kept until resent
 
 
@@ -25,8 +26,8 @@ class RequestBook:
         self.live: dict[str, LiveRequest] = {}
         self.queued: dict[str, int] = {}  # request_id -> context tokens, until the engine reports it
 
-    def assigned(self, request_id: str, context_tokens: int) -> None:
-        self.live[request_id] = LiveRequest(context_tokens)
+    def assigned(self, request_id: str, context_tokens: int, num_resumed: int = 0) -> None:
+        self.live[request_id] = LiveRequest(context_tokens, next_offset=num_resumed)
         self.queued[request_id] = context_tokens
 
     def dropped(self, request_id: str) -> None:
@@ -42,6 +43,12 @@ class RequestBook:
         req = self.live.get(delta.request_id)
         if req is None or req.finished:
             return False
+        if not delta.token_ids:
+            # A tokenless (error) delta ends the request where the router is:
+            # after a failed step the engine may hold tokens never reported,
+            # and an offset past them would read as a gap.
+            delta.output_offset = req.next_offset
+        req.next_offset = delta.output_offset + len(delta.token_ids)
         if delta.first_scheduled_at:
             req.first_scheduled_sent = True
         req.history.append(delta)

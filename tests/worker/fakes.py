@@ -38,6 +38,7 @@ class FakeEngine:
         self.reqs: dict[str, int] = {}
         self.step_id = 0
         self.fail_steps = 0
+        self.fail_after_sampling = False
         self.fail_add: set[str] = set()
         self.hold = False  # when True, step() produces nothing (requests stay in hand)
         self.scheduler = _Sched(self)
@@ -59,6 +60,9 @@ class FakeEngine:
         self.step_id += 1
         if self.fail_steps:
             self.fail_steps -= 1
+            if self.fail_after_sampling:  # tokens appended, never reported
+                for rid in self.reqs:
+                    self.reqs[rid] += 1
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         deltas = []
         for rid, n in list(self.reqs.items()):

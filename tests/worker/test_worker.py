@@ -98,3 +98,28 @@ def test_cancel_while_the_add_is_still_queued_sends_nothing_for_it():
             assert {d.request_id for d in deltas_of(msgs)} == {"b"}
             assert not engine.reqs and not worker.book.live and not worker.book.queued
     run(main())
+
+
+def test_step_failing_after_sampling_reports_the_error_at_the_delivered_offset():
+    async def main():
+        engine = FakeEngine(seats=4, length=10**9)
+        worker = make_worker(engine)
+        async with Wired(worker) as w:
+            engine.hold = True
+            assign(worker, assignment("a", max_tokens=10))
+            await asyncio.sleep(0.1)
+            engine.hold = False
+            worker.engine_loop.request_report()
+            got = []
+            while len(got) < 2:
+                got += [d for d in deltas_of([await w.next("step")]) if d.request_id == "a"]
+            # The next step samples a token for "a", then fails before reporting it.
+            engine.fail_steps, engine.fail_after_sampling = 1, True
+            while not got[-1].HasField("finish_reason"):
+                got += [d for d in deltas_of([await w.next("step")]) if d.request_id == "a"]
+            last = got[-1]
+            assert last.finish_reason == gpb.FINISH_REASON_ERROR
+            # The router has offsets 0..n-1; an error delta at n+1 would be a gap
+            # (a protocol violation that drops the whole replica).
+            assert last.output_offset == got[-2].output_offset + len(got[-2].token_ids)
+    run(main())
