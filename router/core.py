@@ -198,8 +198,21 @@ class RouterCore:
         req.member = member
         self.metrics.accepted.inc()
         self.policy.on_request_arrival(req)
+        if req.phase is Phase.QUEUED and self._placement_stale(req.queue):
+            # Its replica left (or drained) while the script ran: that queue was
+            # redistributed without it (it had no member yet), so re-place it now.
+            await self.redistribute(req.queue)
         self.dispatcher.kick()
         return req
+
+    def _placement_stale(self, queue: str) -> bool:
+        """A per-replica policy's request waits where no replica will pull it."""
+        if not self.policy.per_replica_queues:
+            return False
+        if queue == PENDING:
+            return bool(self.registry.live())
+        session = self.registry.get(queue[2:])
+        return session is None or session.closed or session.draining
 
     def _forget_unstored(self, req: RequestState) -> None:
         if req.phase is Phase.QUEUED:

@@ -53,3 +53,28 @@ def test_cancel_while_first_step_write_in_flight_leaks_no_key(redis_url, tiny_mo
             assert await keys_without_ttl(store) == []
 
     arun(scenario())
+
+
+def test_replica_leaving_while_a_submit_to_its_queue_is_in_flight(redis_url, tiny_model, arun):
+    """round_robin binds a request to r0's queue; r0 goes away before the submit
+    script returns: the request must still run (on r1), not wait in r0's queue."""
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model, policy="round_robin")) as app:
+            core = app.core
+            reps = Replicas(app.address, core.limits.vocab_size)
+            await reps.add("r0")
+            await reps.add("r1")
+            gate, entered = hold_calls(core.store._submits, "_flush")
+            async with client(app.address) as stub:
+                t = asyncio.create_task(collect(stub, request([4], 5, request_id="s"), timeout=10))
+                await asyncio.wait_for(entered.wait(), 10)
+                assert core.requests["s"].queue == "r:r0"
+                await reps.kill("r0")
+                await wait_until(lambda: core.registry.get("r0") is None)
+                gate.set()
+                msgs = await t
+                assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
+                assert msgs[-1].timings.replica_id == "r1"
+            await reps.close()
+
+    arun(scenario())
