@@ -47,6 +47,10 @@ class RouterCore:
         self.requests: dict[str, RequestState] = {}
         self.queued_counts: dict[str, int] = {}
         self.orphans: dict[str, tuple[str, float]] = {}   # id -> (recorded owner, deadline)
+        # Requests whose Redis record fell behind memory when a Redis call failed:
+        # id -> (request, whether its output must be rewritten). The reaper
+        # rewrites them (resync); until then they are not requeued in Redis.
+        self.dirty: dict[str, tuple[RequestState, bool]] = {}
         self.executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self._tokenizer = None
         self._background: set[asyncio.Task] = set()
@@ -189,6 +193,11 @@ class RouterCore:
             created, member, state = await self.store.submit(
                 rid, body_digest, assignment.SerializeToString(), len(ids), max_tokens,
                 request.priority, assignment.arrival_time, request.stream_interval, queue)
+        except Exception as exc:
+            self._forget_unstored(req)
+            raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                              f"the router could not store the request (Redis: {exc}); retry",
+                              "store") from exc
         except BaseException:
             self._forget_unstored(req)
             raise
@@ -258,13 +267,17 @@ class RouterCore:
         was_queued = req.phase is Phase.QUEUED
         self.finish_local(req, CANCELLED)
         self.metrics.cancellations.labels(source).inc()
-        if was_queued and await self.store.cancel_queued(rid, req.finished_at, CANCELLED, ""):
-            pass
-        else:  # running, or popped concurrently: record the final state
-            pipe = self.store.pipeline()
-            self.store.add_finish(pipe, rid, self.finish_fields(req))
-            await self.store.execute(pipe)
-        req.notify()
+        try:
+            if was_queued and await self.store.cancel_queued(rid, req.finished_at, CANCELLED, ""):
+                pass
+            else:  # running, or popped concurrently: record the final state
+                pipe = self.store.pipeline()
+                self.store.add_finish(pipe, rid, self.finish_fields(req))
+                await self.store.execute(pipe)
+        except Exception as exc:
+            self.mark_dirty([req], exc)  # recorded by the reaper once Redis answers
+        finally:
+            req.notify()
         return True
 
     async def discard_popped(self, ids: list[str]) -> None:
@@ -292,9 +305,57 @@ class RouterCore:
             self.enqueue_local(req, queue)
             items.append((req.id, queue))
             self.metrics.requeues.labels(reason).inc()
-        if items:
-            await self.store.requeue(items, owner=session.id)
-            self.dispatcher.kick()
+        await self._requeue_in_store(items, session.id)
+
+    async def _requeue_in_store(self, items, owner: str) -> None:
+        if not items:
+            return
+        clean = [(rid, q) for rid, q in items if rid not in self.dirty]
+        try:
+            await self.store.requeue(clean, owner=owner)
+        except Exception as exc:
+            self.mark_dirty([self.requests[rid] for rid, _ in items if rid in self.requests], exc)
+        self.dispatcher.kick()
+
+    def mark_dirty(self, reqs, exc: BaseException | None, output: bool = False) -> None:
+        """Memory moved on but Redis did not follow: rewrite these from memory."""
+        if exc is not None:
+            log.warning("Redis call failed (%s); %d requests will be rewritten", exc, len(reqs))
+        for req in reqs:
+            prev = self.dirty.get(req.id)
+            self.dirty[req.id] = (req, output or (prev is not None and prev[1]))
+
+    async def resync(self) -> None:
+        """Writes the dirty requests' state from memory (reaper tick)."""
+        if not self.dirty:
+            return
+        batch, self.dirty = self.dirty, {}
+        items, seen = [], {}
+        for rid, (req, output) in batch.items():
+            fields = {"rq": req.requeues}
+            if req.finished:
+                state, queue, owner = "f", "", ""
+                fields.update(self.finish_fields(req))
+            elif req.phase is Phase.QUEUED:
+                state, queue, owner = "q", req.queue, ""
+            elif req.owner is not None:
+                state, queue, owner = "r", "", req.owner.id
+            else:
+                continue  # a recovered orphan: its record is already right
+            seen[rid] = (req.phase, req.queue, req.owner)
+            items.append((rid, state, queue, owner, list(req.tokens) if output else None,
+                          "".join(req.parts) if output else "", fields))
+        try:
+            await self.store.sync(items, time.time() + self.config.lease_ttl)
+        except BaseException:
+            for rid, entry in batch.items():
+                self.dirty.setdefault(rid, entry)
+            raise
+        for rid, (req, output) in batch.items():
+            if rid in seen and seen[rid] != (req.phase, req.queue, req.owner):
+                self.dirty.setdefault(rid, (req, output))  # moved again meanwhile
+            req.notify()
+        self.dispatcher.kick()
 
     async def requeue_orphans(self, rids: list[str], reason: str = "lease_expired") -> None:
         """Recovered in-flight requests whose owner did not come back in time."""
@@ -311,9 +372,7 @@ class RouterCore:
             self.enqueue_local(req, queue)
             items.append((rid, queue))
             self.metrics.requeues.labels(reason).inc()
-        if items:
-            await self.store.requeue(items, owner="")
-            self.dispatcher.kick()
+        await self._requeue_in_store(items, "")
 
     async def redistribute(self, queue: str, exclude: ReplicaSession | None = None) -> None:
         """Re-places the requests waiting in `queue` through the policy."""
@@ -330,5 +389,8 @@ class RouterCore:
             self._dequeue_local(req)
             self.enqueue_local(req, dest)
             items.append((req.id, dest))
-        await self.store.move(items)
+        try:
+            await self.store.move([(rid, q) for rid, q in items if rid not in self.dirty])
+        except Exception as exc:
+            self.mark_dirty([self.requests[rid] for rid, _ in items if rid in self.requests], exc)
         self.dispatcher.kick()

@@ -65,8 +65,15 @@ class Dispatcher:
         core = self.core
         now = time.time()
         tokens = 0 if session.pull_unlimited_tokens else session.pull_tokens
-        ids = await core.store.pop(queue, session.id, session.pull_requests, tokens,
-                                   now + core.config.lease_ttl, now)
+        try:
+            ids = await core.store.pop(queue, session.id, session.pull_requests, tokens,
+                                       now + core.config.lease_ttl, now)
+        except Exception as exc:
+            # The pop may have run with its reply lost: put this queue's requests
+            # back in Redis as memory has them (the reaper rewrites them).
+            core.mark_dirty([r for r in core.requests.values()
+                             if r.phase is Phase.QUEUED and r.queue == queue and r.member], exc)
+            raise
         if not ids:
             return False
         assign = rpb.Assign()

@@ -181,3 +181,51 @@ for i = 3, #ARGV, 12 do
 end
 return 1
 """
+
+# Rewrites requests' records from the router's memory after a failed Redis call
+# left them behind (replica death or a step write during a Redis outage).
+# ARGV: prefix, ttl seconds, lease expiry, then per request:
+#   id, state (q|r|f), queue name, owner, write output (1/0), packed tokens, text,
+#   n, then n field/value pairs for the hash.
+SYNC = """
+local prefix, ttl, lease = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local i = 4
+while i <= #ARGV do
+  local id, st, qname, owner = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local n = tonumber(ARGV[i + 7])
+  local h = prefix .. 'req:' .. id
+  local o, t = prefix .. 'out:' .. id, prefix .. 'txt:' .. id
+  if redis.call('EXISTS', h) == 1 then
+    if ARGV[i + 4] == '1' then
+      if ARGV[i + 5] == '' then redis.call('DEL', o) else redis.call('SET', o, ARGV[i + 5]) end
+      if ARGV[i + 6] == '' then redis.call('DEL', t) else redis.call('SET', t, ARGV[i + 6]) end
+    end
+    for j = 1, n do
+      redis.call('HSET', h, ARGV[i + 6 + 2 * j], ARGV[i + 7 + 2 * j])
+    end
+    local m = redis.call('HGET', h, 'm')
+    local oldq = redis.call('HGET', h, 'q')
+    if oldq and oldq ~= '' and oldq ~= qname then
+      redis.call('ZREM', prefix .. 'q:' .. oldq, m)
+    end
+    if st == 'q' then
+      redis.call('ZREM', prefix .. 'inflight', id)
+      redis.call('ZADD', prefix .. 'q:' .. qname, -tonumber(redis.call('HGET', h, 'pr')), m)
+      redis.call('HSET', h, 'st', 'q', 'q', qname, 'o', '')
+    elseif st == 'r' then
+      if oldq and oldq ~= '' then redis.call('ZREM', prefix .. 'q:' .. oldq, m) end
+      redis.call('ZADD', prefix .. 'inflight', lease, id)
+      redis.call('HSET', h, 'st', 'r', 'q', '', 'o', owner)
+    else
+      if oldq and oldq ~= '' then redis.call('ZREM', prefix .. 'q:' .. oldq, m) end
+      redis.call('ZREM', prefix .. 'inflight', id)
+      redis.call('HSET', h, 'st', 'f', 'q', '', 'o', '')
+      redis.call('EXPIRE', h, ttl)
+      redis.call('EXPIRE', o, ttl)
+      redis.call('EXPIRE', t, ttl)
+    end
+  end
+  i = i + 8 + 2 * n
+end
+return 1
+"""

@@ -115,6 +115,7 @@ class Reaper:
             for rid in session.owned:
                 leases[rid] = now + cfg.lease_ttl
         await core.store.renew_leases(leases)
+        await core.resync()
         expired = [rid for rid, (_, deadline) in core.orphans.items() if deadline <= now]
         await core.requeue_orphans(expired)
         core.metrics.sync_round_trips(core.store.round_trips)

@@ -203,6 +203,12 @@ class ReplicaOps:
             metrics.ttft.observe(v)
         for v in tbt:
             metrics.tbt.observe(v)
-        await core.store.write_steps(args)  # durable before any client sees it
+        try:
+            await core.store.write_steps(args)  # durable before any client sees it
+        except Exception as exc:
+            # Memory is ahead of Redis: rewrite these from memory once Redis
+            # answers (their clients are woken then); the replica is dropped.
+            core.mark_dirty([req for req, _ in items], exc, output=True)
+            raise
         for req, _ in items:
             req.notify()

@@ -100,6 +100,7 @@ class Store:
         self._requeue = self.redis.register_script(lua.REQUEUE)
         self._move = self.redis.register_script(lua.MOVE)
         self._cancel_queued = self.redis.register_script(lua.CANCEL_QUEUED)
+        self._sync = self.redis.register_script(lua.SYNC)
         # Hot-path scripts (submit, pop, step writes) go over one lean connection.
         pool = self.redis.connection_pool
         self.lean = LeanRedis(pool.connection_kwargs,
@@ -188,6 +189,20 @@ class Store:
         self.round_trips += 1
         res = await self._cancel_queued(args=[self.prefix, rid, repr(now), self.ttl, reason, error])
         return bool(int(res))
+
+    async def sync(self, items: list[tuple], lease_expiry: float) -> None:
+        """Rewrites records from memory: (id, state, queue, owner, tokens or None,
+        text, fields) each; tokens None leaves the output keys alone."""
+        if not items:
+            return
+        args = [self.prefix, self.ttl, repr(lease_expiry)]
+        for rid, state, queue, owner, tokens, text, fields in items:
+            args += [rid, state, queue, owner, 0 if tokens is None else 1,
+                     pack_tokens(tokens) if tokens else b"", text.encode(), len(fields)]
+            for k, v in fields.items():
+                args += [k, v]
+        self.round_trips += 1
+        await self._sync(args=args)
 
     # ---- pipelined writes ----
     def pipeline(self):
