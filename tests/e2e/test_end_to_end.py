@@ -18,17 +18,19 @@ POLICIES = ["pull", "round_robin", "least_outstanding"]
 PROMPTS = [[5 + i, 17, 230 - i, 9, 44 + 3 * i] + list(range(60, 60 + 7 * i)) for i in range(8)]
 
 
-async def generate(address, prompt, max_tokens, **kw):
-    """Streams one request; returns (token ids, final message, offsets seen)."""
+async def generate(address, prompt, max_tokens, progress=None, **kw):
+    """Streams one request; returns (token ids, final message). progress, a list,
+    gets the running token count of this request as messages arrive."""
     async with aio_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        tokens, offsets, last = [], [], None
+        tokens, last = [], None
         async for msg in stub.Generate(make_request(prompt, max_tokens=max_tokens, temperature=0.0,
                                                     ignore_eos=True, **kw), timeout=120):
             assert msg.output_offset == len(tokens), "a gap or a duplicate reached the client"
-            offsets.append(msg.output_offset)
             tokens.extend(msg.token_ids)
             last = msg
+            if progress is not None:
+                progress[0] = len(tokens)
         return tokens, last
 
 
@@ -60,10 +62,14 @@ def test_replica_killed_mid_generation_loses_nothing(live_stack, hf_reference, p
     max_tokens = 300
 
     async def scenario():
-        tasks = [asyncio.create_task(generate(stack.address, p, max_tokens)) for p in PROMPTS]
-        # Four seats each: r0 holds requests mid-generation when it dies.
-        await asyncio.sleep(0.8)
-        assert not all(t.done() for t in tasks)
+        progress = [[0] for _ in PROMPTS]
+        tasks = [asyncio.create_task(generate(stack.address, p, max_tokens, progress=n))
+                 for p, n in zip(PROMPTS, progress)]
+        # Four seats each, so all eight run at once: kill r0 once every request
+        # has streamed some tokens and none is near its end.
+        while min(n[0] for n in progress) < 5:
+            await asyncio.sleep(0.01)
+        assert max(n[0] for n in progress) < max_tokens
         stack.replicas["r0"].proc.send_signal(signal.SIGKILL)
         return await asyncio.gather(*tasks)
 
