@@ -51,6 +51,13 @@ class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
         if not reg.replica_id or not reg.replica_id.isprintable() or len(reg.replica_id) > 200:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "Register.replica_id must be non-empty printable text")
+        served = self.config.served_model_name
+        if reg.model and reg.model != served:
+            # Its outputs would not match what clients asked this router for.
+            self.core.metrics.rejections.labels("replica_model").inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"replica serves model {reg.model!r}; this router serves {served!r} "
+                                "(set the same QUADRIGA_MODEL_NAME / QUADRIGA_ROUTER_MODEL_NAME)")
         return reg
 
     async def Connect(self, request_iterator, context):

@@ -123,6 +123,23 @@ def test_replica_token_is_required(redis_url, tiny_model, arun):
     arun(scenario())
 
 
+def test_replica_of_another_model_is_refused(redis_url, tiny_model, arun):
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            reps = Replicas(app.address, app.core.limits.vocab_size)
+            stranger = await reps.add("stranger", wait=False, model="some-other-model")
+            await asyncio.wait_for(reps.items["stranger"][1], 10)
+            assert stranger.rec.errors == [grpc.StatusCode.FAILED_PRECONDITION]
+            assert len(app.core.registry) == 0
+            await reps.add("same", model=app.core.config.served_model_name)
+            async with client(app.address) as stub:
+                msgs = await collect(stub, request([1], 2))
+            assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
+            await reps.close()
+
+    arun(scenario())
+
+
 def test_drain_hands_work_to_other_replicas(redis_url, tiny_model, arun):
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model)) as app:

@@ -36,6 +36,7 @@ def expected_tokens(prompt_ids, n: int, vocab: int) -> list[int]:
 @dataclass
 class Knobs:
     replica_id: str = "r0"
+    model: str = ""                   # Register.model; empty: not stated
     vocab: int = 512
     max_model_len: int = 1024
     capacity: int = 8                 # requests running at once
@@ -131,7 +132,7 @@ class ScriptedReplica:
         self._out = asyncio.Queue()
         held = list(self.running) + list(self.waiting)
         self._send(rpb.ReplicaMessage(register=rpb.Register(
-            replica_id=self.knobs.replica_id, model="tiny", scheduler="scripted",
+            replica_id=self.knobs.replica_id, model=self.knobs.model, scheduler="scripted",
             auth_token=self.knobs.auth_token, held_request_ids=held,
             capacity=rpb.ReplicaCapacity(max_num_seqs=self.knobs.capacity,
                                          max_model_len=self.knobs.max_model_len))))
