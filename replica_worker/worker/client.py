@@ -114,8 +114,15 @@ class ReplicaWorker:
         return grpc.aio.insecure_channel(self.config.router, options=options)
 
     def _expire_if_leases_lapsed(self) -> None:
-        """Away longer than a lease: the router has re-queued our work; drop it here."""
-        if self._disconnected_at and time.monotonic() - self._disconnected_at > self._lease_ttl_s:
+        """Away longer than a lease: the router has re-queued our work; drop it here.
+
+        A drain that runs out of time while the router is away drops its work
+        too: the hand back cannot be sent, and the leases lapse in the router,
+        which requeues it.
+        """
+        now = time.monotonic()
+        lease_lapsed = self._disconnected_at and now - self._disconnected_at > self._lease_ttl_s
+        if lease_lapsed or (self.draining and now > self._drain_deadline):
             for rid in list(self.book.live):
                 self.engine_loop.submit(AbortRequest(rid))
                 self.book.dropped(rid)

@@ -123,3 +123,20 @@ def test_step_failing_after_sampling_reports_the_error_at_the_delivered_offset()
             # (a protocol violation that drops the whole replica).
             assert last.output_offset == got[-2].output_offset + len(got[-2].token_ids)
     run(main())
+
+
+def test_drain_timeout_holds_while_the_router_is_away():
+    async def main():
+        engine = FakeEngine(seats=2)
+        engine.hold = True  # the request stays in hand until the drain gives it up
+        worker = make_worker(engine, drain_timeout_s=0.3, reconnect_min_s=0.05, reconnect_max_s=0.1)
+        task = asyncio.create_task(worker.run())  # its router address is unreachable
+        await asyncio.sleep(0.2)
+        assign(worker, assignment("a"))
+        await asyncio.sleep(0.1)
+        assert "a" in engine.reqs
+        worker.begin_drain()
+        # The lease (10 s by default) is far off; the drain timeout ends it.
+        await asyncio.wait_for(task, 3)
+        assert not engine.reqs and not worker.book.live
+    run(main())
