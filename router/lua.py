@@ -4,24 +4,8 @@ Keys are built inside the scripts from the prefix (ARGV[1]), so the router
 needs a single (non-cluster) Redis. Key layout: see router/store.py.
 """
 
-# KEYS: req hash, queue zset, seq counter.
-# ARGV: prefix, id, digest, assignment, prompt_len, max_tokens, priority, arrival,
-#       arrival_us, stream_interval, queue name
-# -> {1, member} when stored, {0, digest, state} when the id already exists.
-SUBMIT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {0, redis.call('HGET', KEYS[1], 'd') or '', redis.call('HGET', KEYS[1], 'st') or ''}
-end
-local seq = redis.call('INCR', KEYS[3])
-local member = string.format('%016d%012d:', tonumber(ARGV[9]), seq) .. ARGV[2]
-redis.call('HSET', KEYS[1], 'd', ARGV[3], 'a', ARGV[4], 'pl', ARGV[5], 'mt', ARGV[6],
-  'pr', ARGV[7], 'at', ARGV[8], 'si', ARGV[10], 'q', ARGV[11], 'm', member,
-  'seq', seq, 'st', 'q', 'rq', 0)
-redis.call('ZADD', KEYS[2], -tonumber(ARGV[7]), member)
-return {1, member}
-"""
-
-# SUBMIT for several requests in one call (keys built from the prefix).
+# Stores several new requests and queues each, in one call (keys built from the
+# prefix): a request hash, then ZADD by (-priority, arrival, sequence).
 # ARGV: prefix, then 10 per request: id, digest, assignment, prompt_len,
 #       max_tokens, priority, arrival, arrival_us, stream_interval, queue name
 # -> 3 per request: 1, member, '' when stored; 0, digest, state when the id exists.

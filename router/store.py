@@ -212,15 +212,6 @@ class Store:
         self.round_trips += 1
         await pipe.execute()
 
-    def add_output(self, pipe, rid: str, token_ids, text: str) -> None:
-        if token_ids:
-            pipe.append(self.out_key(rid), pack_tokens(token_ids))
-        if text:
-            pipe.append(self.txt_key(rid), text.encode())
-
-    def add_fields(self, pipe, rid: str, fields: dict) -> None:
-        pipe.hset(self.req_key(rid), mapping=fields)
-
     def add_finish(self, pipe, rid: str, fields: dict) -> None:
         pipe.hset(self.req_key(rid), mapping={**fields, "st": "f", "q": "", "o": ""})
         pipe.zrem(self.inflight_key, rid)
