@@ -1,6 +1,7 @@
 """The README's main job: `python -m stack` answers real requests and stops cleanly on Ctrl-C."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +45,10 @@ def test_stack_serves_the_client_cli_and_stops_on_ctrl_c(tmp_path, tiny_model):
     finally:
         if stack.poll() is None:
             os.killpg(stack.pid, signal.SIGKILL)
-    # Every child (router, replicas, Redis) is gone with the stack.
-    leftovers = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True)
-    assert leftovers.stdout.strip() == ""
+    # Every child is gone with the stack: the router (--port P), the replicas
+    # (--router 127.0.0.1:P) and Redis (its process title names 127.0.0.1:port).
+    # pgrep exits 1 when nothing matches.
+    redis_port = re.search(r"redis://127\.0\.0\.1:(\d+)", "".join(lines)).group(1)
+    for pattern in (f"--port {port}", f"127.0.0.1:{port}", f"127.0.0.1:{redis_port}"):
+        leftovers = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True)
+        assert leftovers.returncode == 1, f"still running: {leftovers.stdout}"
