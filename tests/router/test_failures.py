@@ -105,33 +105,25 @@ def test_pull_before_register_is_rejected(redis_url, tiny_model, arun):
     arun(scenario())
 
 
-def test_replica_token_is_required(redis_url, tiny_model, arun):
+SERVED = object()  # stands for the router's served model name
+
+
+@pytest.mark.parametrize("router_overrides, refused, welcome, code", [
+    (dict(replica_token="s3cret"), dict(auth_token="wrong"), dict(auth_token="s3cret"),
+     grpc.StatusCode.UNAUTHENTICATED),
+    ({}, dict(model="some-other-model"), dict(model=SERVED), grpc.StatusCode.FAILED_PRECONDITION),
+], ids=["wrong-token", "other-model"])
+def test_router_refuses_replicas_it_must_not_trust(redis_url, tiny_model, arun,
+                                                   router_overrides, refused, welcome, code):
     async def scenario():
-        cfg = make_config(redis_url, tiny_model, replica_token="s3cret")
-        async with running_router(cfg) as app:
+        async with running_router(make_config(redis_url, tiny_model, **router_overrides)) as app:
             reps = Replicas(app.address, app.core.limits.vocab_size)
-            intruder = await reps.add("intruder", wait=False, auth_token="wrong")
-            await asyncio.wait_for(reps.items["intruder"][1], 10)
-            assert intruder.rec.errors == [grpc.StatusCode.UNAUTHENTICATED]
-            assert len(app.core.registry) == 0
-            await reps.add("member", auth_token="s3cret")
-            async with client(app.address) as stub:
-                msgs = await collect(stub, request([1], 2))
-            assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
-            await reps.close()
-
-    arun(scenario())
-
-
-def test_replica_of_another_model_is_refused(redis_url, tiny_model, arun):
-    async def scenario():
-        async with running_router(make_config(redis_url, tiny_model)) as app:
-            reps = Replicas(app.address, app.core.limits.vocab_size)
-            stranger = await reps.add("stranger", wait=False, model="some-other-model")
+            stranger = await reps.add("stranger", wait=False, **refused)
             await asyncio.wait_for(reps.items["stranger"][1], 10)
-            assert stranger.rec.errors == [grpc.StatusCode.FAILED_PRECONDITION]
+            assert stranger.rec.errors == [code]
             assert len(app.core.registry) == 0
-            await reps.add("same", model=app.core.config.served_model_name)
+            served = app.core.config.served_model_name
+            await reps.add("member", **{k: served if v is SERVED else v for k, v in welcome.items()})
             async with client(app.address) as stub:
                 msgs = await collect(stub, request([1], 2))
             assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH

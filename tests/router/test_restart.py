@@ -58,49 +58,6 @@ async def follow(stub, req, progress: dict, breaks: list):
     raise AssertionError("never finished")
 
 
-@pytest.mark.parametrize("lease_ttl", [2, 30], ids=["leases-expire", "replicas-keep-work"])
-def test_router_sigkill_and_restart_loses_nothing(redis_url, tiny_model, tmp_path, arun, lease_ttl):
-    """Short leases: in-flight work is requeued at restart. Long leases: the
-    replicas re-register with held_request_ids and keep running it."""
-    port, prefix = free_port(), f"restart{uuid.uuid4().hex[:6]}:"
-    vocab = vocab_size(tiny_model)
-    log = open(tmp_path / "procs.log", "w")
-    router = start_router(port, redis_url, tiny_model, prefix, log, lease_ttl)
-    replicas = [start_replica(port, f"r{i}", vocab, log) for i in range(2)]
-    prompts = {f"job{i}": [i + 1, 7] for i in range(10)}
-
-    async def scenario():
-        nonlocal router
-        progress: dict = {}
-        breaks: list = []
-        async with client(f"127.0.0.1:{port}") as stub:
-            reqs = [request(p, N, request_id=rid) for rid, p in prompts.items()]
-            tasks = [asyncio.create_task(follow(stub, r, progress, breaks)) for r in reqs]
-            # Kill the router once every stream is under way and none is done.
-            deadline = time.monotonic() + 60
-            while len(progress) < len(reqs) or min(progress.values()) < 3:
-                assert time.monotonic() < deadline and router.poll() is None, "router never served"
-                await asyncio.sleep(0.05)
-            assert max(progress.values()) < N
-            router.send_signal(signal.SIGKILL)
-            router.wait()
-            await asyncio.sleep(0.5)
-            router = start_router(port, redis_url, tiny_model, prefix, log, lease_ttl)
-            results = await asyncio.gather(*tasks)
-        assert len(set(breaks)) == len(reqs)  # every stream really broke mid-way
-        for (rid, p), msgs in zip(prompts.items(), results):
-            assert tokens_of(msgs) == expected_tokens(p, N, vocab), rid
-            assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
-
-    try:
-        arun(scenario(), timeout=150)
-    finally:
-        for proc in [router, *replicas]:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
 def assert_no_leaks(redis_url, prefix):
     """After every request finished: empty queues and in-flight set, and every
     request key expires (result_ttl)."""
@@ -118,18 +75,28 @@ def assert_no_leaks(redis_url, prefix):
         r.close()
 
 
-@pytest.mark.parametrize("policy,lease_ttl", [("round_robin", 2), ("least_outstanding", 30)],
-                         ids=["round_robin-leases-expire", "least_outstanding-replicas-keep-work"])
-def test_restart_with_per_replica_queues_loses_nothing(redis_url, tiny_model, tmp_path, arun,
-                                                       policy, lease_ttl):
-    """Per-replica policies: the router dies while some requests wait in the
-    replicas' own queues and others run; all finish exactly once."""
+CASES = {
+    # Short leases: in-flight work is requeued at restart. Long leases: the
+    # replicas re-register with held_request_ids and keep running it.
+    "pull-leases-expire": ("pull", 2, 8, 10),
+    "pull-replicas-keep-work": ("pull", 30, 8, 10),
+    # Per-replica policies, three seats each: when the router dies some requests
+    # run and the rest wait in the replicas' own queues.
+    "round_robin-leases-expire": ("round_robin", 2, 3, 12),
+    "least_outstanding-replicas-keep-work": ("least_outstanding", 30, 3, 12),
+}
+
+
+@pytest.mark.parametrize("policy,lease_ttl,seats,num_requests", CASES.values(), ids=CASES.keys())
+def test_router_sigkill_and_restart_loses_nothing(redis_url, tiny_model, tmp_path, arun,
+                                                  policy, lease_ttl, seats, num_requests):
     port, prefix = free_port(), f"restart{uuid.uuid4().hex[:6]}:"
     vocab = vocab_size(tiny_model)
     log = open(tmp_path / "procs.log", "w")
     router = start_router(port, redis_url, tiny_model, prefix, log, lease_ttl, policy)
-    replicas = [start_replica(port, f"r{i}", vocab, log, capacity=3) for i in range(2)]
-    prompts = {f"job{i}": [i + 1, 9] for i in range(12)}
+    replicas = [start_replica(port, f"r{i}", vocab, log, capacity=seats) for i in range(2)]
+    prompts = {f"job{i}": [i + 1, 7] for i in range(num_requests)}
+    running = min(num_requests, 2 * seats)
 
     async def scenario():
         nonlocal router
@@ -138,17 +105,20 @@ def test_restart_with_per_replica_queues_loses_nothing(redis_url, tiny_model, tm
         async with client(f"127.0.0.1:{port}") as stub:
             reqs = [request(p, N, request_id=rid) for rid, p in prompts.items()]
             tasks = [asyncio.create_task(follow(stub, r, progress, breaks)) for r in reqs]
+            # Kill the router once every seat is streaming and no request is done.
             deadline = time.monotonic() + 60
-            # 6 run (3 per replica); the other 6 wait in per-replica queues.
-            while len(progress) < 6 or min(progress.values()) < 3:
+            while len(progress) < running or min(progress.values()) < 3:
                 assert time.monotonic() < deadline and router.poll() is None, "router never served"
                 await asyncio.sleep(0.05)
-            assert max(progress.values()) < N and len(progress) < len(reqs)
+            assert max(progress.values()) < N
+            assert running == num_requests or len(progress) < num_requests, "some must still wait"
+            under_way = set(progress)
             router.send_signal(signal.SIGKILL)
             router.wait()
             await asyncio.sleep(0.5)
             router = start_router(port, redis_url, tiny_model, prefix, log, lease_ttl, policy)
             results = await asyncio.gather(*tasks)
+        assert under_way <= set(breaks)  # every running stream really broke mid-way
         for (rid, p), msgs in zip(prompts.items(), results):
             assert tokens_of(msgs) == expected_tokens(p, N, vocab), rid
             assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
