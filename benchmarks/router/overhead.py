@@ -29,13 +29,14 @@ import os
 import random
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from common.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -53,12 +54,6 @@ DEFINITIONS = {
     "redis_round_trips_per_request": "router's own count (Lua calls and pipelines) / completed",
     "redis_commands_per_request": "Redis-side work: INFO commandstats calls delta / completed (counts the EVALSHA and every command its script runs)",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pct(values, q):
@@ -184,11 +179,8 @@ def main() -> int:
 
     import redis
 
+    from common.redis_server import RedisServer
     from common.tiny_model import build_tiny_model
-    try:
-        from common.redis_server import RedisServer
-    except ImportError:
-        from tests.support.redis_server import RedisServer
 
     work = Path(tempfile.mkdtemp(prefix="router-bench-"))
     model = build_tiny_model(work / "model")

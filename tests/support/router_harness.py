@@ -10,6 +10,7 @@ import grpc
 
 from common.pb.quadriga.v1 import generation_pb2 as gpb
 from common.pb.quadriga.v1 import generation_pb2_grpc
+from common.redis_server import free_port  # noqa: F401  (tests import it from here)
 from router.config import RouterConfig
 from router.server import RouterApp
 from tests.support.scripted_replica import Knobs, ScriptedReplica
@@ -89,11 +90,3 @@ def tokens_of(messages) -> list[int]:
 async def client(address: str):
     async with grpc.aio.insecure_channel(address) as channel:
         yield generation_pb2_grpc.GenerationStub(channel)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
