@@ -90,7 +90,8 @@ class Dispatcher:
             a.CopyFrom(req.assignment)
             if req.tokens:
                 a.resume_token_ids.extend(req.tokens)
-                a.resume_text_len = req.text_len
+                # Characters (code points) delivered; only requeued requests pay for the sum.
+                a.resume_text_len = sum(map(len, req.parts))
         if stale:
             await core.discard_popped(stale)
         if session.closed:

@@ -35,7 +35,6 @@ def state_from_record(rec: dict) -> RequestState:
                        stream_interval=int(_f(rec, "si")), member=rec.get("m", b"").decode())
     req.tokens = list(rec["tokens"])
     req.parts = [rec["text"]] if rec["text"] else []
-    req.text_len = len(rec["text"] or "")
     req.requeues = int(_f(rec, "rq"))
     req.assigned_at = _f(rec, "asg")
     req.first_scheduled_at = _f(rec, "fs")

@@ -49,7 +49,6 @@ class RequestState:
         self.load_holder = None               # ReplicaSession whose load counts this request
         self.tokens: list[int] = []
         self.parts: list[str] = []
-        self.text_len = 0  # characters in parts (code points), for resume_text_len
         self.subscribers: list[Subscriber] = []
         self.finish_reason = gpb.FINISH_REASON_UNSPECIFIED
         self.error = ""
@@ -97,7 +96,6 @@ class RequestState:
             self.last_token_at = now
         if text:
             self.parts.append(text)
-            self.text_len += len(text)
 
     def notify(self) -> None:
         n = len(self.tokens)
