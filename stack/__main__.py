@@ -31,6 +31,9 @@ def parse_args(argv=None):
     p.add_argument("--metrics-port", type=int, default=9400)
     p.add_argument("--device", default="cpu")
     p.add_argument("--scheduler", default="sarathi")
+    p.add_argument("--replica-gpus", default="",
+                   help="comma-separated GPU indices; replica i sees only GPU i mod N "
+                        "(CUDA_VISIBLE_DEVICES), so one host's GPUs each get a replica")
     p.add_argument("--replica-arg", action="append", default=[], help="extra flag for every replica")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--demo", action="store_true", help="send a few prompts once the stack is up")
@@ -93,14 +96,17 @@ def start(a, log_dir: Path, model: str, children: list[Child], servers: list) ->
     print(f"router     {address} (policy {a.policy}; metrics http://127.0.0.1:{a.metrics_port}/metrics)")
     # CPU replicas share this machine's cores instead of each spinning on all of them.
     threads = ["--threads", str(max(1, (os.cpu_count() or 1) // a.replicas))] if a.device == "cpu" else []
+    gpus = [g.strip() for g in a.replica_gpus.split(",") if g.strip()]
     for i in range(a.replicas):
+        env = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if gpus else None
         replica = Child(f"replica-{i}", ["-m", "replica_worker", "--router", address, "--model", model,
                                          "--replica-id", f"replica-{i}", "--device", a.device,
-                                         "--scheduler", a.scheduler, *threads, *a.replica_arg], log_dir)
+                                         "--scheduler", a.scheduler, *threads, *a.replica_arg], log_dir, env)
         children.append(replica)
     for replica in children[1:]:
         wait_for_log(replica, "registered with router", timeout=180)
-        print(f"{replica.name:<10} registered ({a.device}, {a.scheduler})")
+        gpu = replica.env.get("CUDA_VISIBLE_DEVICES")
+        print(f"{replica.name:<10} registered ({a.device}{f' GPU {gpu}' if gpu else ''}, {a.scheduler})")
 
 
 def main(argv=None) -> int:

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class Child:
     def __init__(self, name: str, args: list[str], log_dir: Path, env: dict | None = None):
         self.name = name
+        self.env = env or {}
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(

@@ -12,7 +12,8 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
       --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64)
 python3 -m pip download -q --no-deps "${plat[@]}" -d "$dir" \
-  'apache-tvm-ffi>=0.1.11,<0.2' grpcio==1.85.3 protobuf==7.36.2 redis hiredis
+  'apache-tvm-ffi>=0.1.11,<0.2' grpcio==1.85.3 protobuf==7.36.2 redis hiredis \
+  grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
 python3 -m pip download -q --no-deps -d "$tmp" flashinfer-python==0.7.2.post1
 ( cd "$tmp" && python3 -m zipfile -e flashinfer_python-*.whl unpacked >/dev/null \
   && cd unpacked && tar cf - flashinfer flashinfer_python-*.dist-info | xz -T0 -6 > "$dir/flashinfer.tar.xz" )

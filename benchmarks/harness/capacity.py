@@ -13,13 +13,18 @@ def probe_passes(summary: dict, tbt_slo_s: float, sched_delay_p50_s: float = 2.0
 
     A short probe of an overloaded system can end before its queue makes the
     median scheduling delay exceed the bound, so a probe also fails when the
-    system delivers less than keep_up of the offered rate: it is not keeping up.
+    system admits less than keep_up of the offered rate: it is not keeping up.
+    Both rates are over the arrival window when the summary has them
+    (metrics.arrival_window_rates): end-to-end throughput would also count the
+    drain of the longest outputs after the last arrival, which fails short
+    probes of a system that keeps up.
     """
     if summary["errors"]:
         return False, f"{summary['errors']} errors"
-    achieved = summary.get("throughput_req_s")
-    if offered_rate and achieved is not None and achieved < keep_up * offered_rate:
-        return False, f"delivered {achieved:.2f} of {offered_rate:.2f} req/s offered"
+    admitted = summary.get("admitted_req_s") or summary.get("throughput_req_s")
+    offered = summary.get("offered_req_s") or offered_rate
+    if offered and admitted is not None and admitted < keep_up * offered:
+        return False, f"admitted {admitted:.2f} of {offered:.2f} req/s offered"
     tbt = summary["tbt_s"]["p99"]
     sched = summary["server_scheduling_delay_s"]["p50"]
     if tbt is None or tbt > tbt_slo_s:
@@ -30,10 +35,15 @@ def probe_passes(summary: dict, tbt_slo_s: float, sched_delay_p50_s: float = 2.0
 
 
 def search(probe: Callable[[float], bool], initial: float, *, max_probes: int = 8,
-           rel_tol: float = 0.05, min_rate: float = 1e-3, max_rate: float = 1e6) -> tuple[float | None, list]:
-    """probe(rate) -> passes. Brackets from `initial` (doubling up while it passes,
-    halving down while it fails), then bisects until the bracket is within rel_tol or
-    the probes are spent. Returns (highest passing rate or None, [(rate, passed), ...])."""
+           rel_tol: float = 0.05, min_rate: float = 1e-3, max_rate: float = 1e6,
+           growth: float = 2.0) -> tuple[float | None, list]:
+    """probe(rate) -> passes. Brackets from `initial` (multiplying by `growth` while it
+    passes, dividing while it fails), then bisects until the bracket is within rel_tol
+    or the probes are spent. A growth below 2 suits an initial rate that is already a
+    good guess (an overloaded probe is the slowest kind). Returns (highest passing rate
+    or None, [(rate, passed), ...])."""
+    if growth <= 1.0:
+        raise ValueError("growth must exceed 1")
     history: list[tuple[float, bool]] = []
 
     def run(rate: float) -> bool:
@@ -48,16 +58,16 @@ def search(probe: Callable[[float], bool], initial: float, *, max_probes: int = 
             lo = rate
             if hi is not None:
                 break
-            if rate * 2 > max_rate:
+            if rate * growth > max_rate:
                 return lo, history
-            rate *= 2
+            rate *= growth
         else:
             hi = rate
             if lo is not None:
                 break
-            if rate / 2 < min_rate:
+            if rate / growth < min_rate:
                 return None, history
-            rate /= 2
+            rate /= growth
     while lo is not None and hi is not None and len(history) < max_probes and (hi - lo) / hi > rel_tol:
         mid = (lo + hi) / 2
         if run(mid):

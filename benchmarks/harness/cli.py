@@ -107,6 +107,8 @@ def parse_args(argv=None):
     c.add_argument("--initial-rate", type=float, default=2.0)
     c.add_argument("--max-probes", type=int, default=7)
     c.add_argument("--rel-tol", type=float, default=0.1)
+    c.add_argument("--growth", type=float, default=2.0,
+                   help="bracketing factor from --initial-rate (1.25: the initial rate is a good guess)")
     m = sub.add_parser("compare", help="policies x loads")
     add_workload_args(m), add_target_args(m), add_slo_args(m), add_hw_args(m), add_output_args(m, "compare")
     m.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
@@ -117,6 +119,7 @@ def parse_args(argv=None):
     m.add_argument("--initial-rate", type=float, default=2.0)
     m.add_argument("--max-probes", type=int, default=7)
     m.add_argument("--rel-tol", type=float, default=0.1)
+    m.add_argument("--growth", type=float, default=2.0)
     m.add_argument("--capacity-requests", type=int, help="requests per capacity probe (default -n)")
     f = sub.add_parser("roofline", help="hardware limit of a shape and workload")
     add_workload_args(f), add_hw_args(f)
@@ -315,7 +318,8 @@ def target_desc(a, policy) -> dict:
 
 
 def find_capacity(a, target: Target, model, spec: WorkloadSpec, slo: M.SLO, out_dir: Path,
-                  num_requests: int | None = None) -> dict:
+                  num_requests: int | None = None, on_probe=None) -> dict:
+    """on_probe(partial result) after every probe: a search cut short still leaves its probes."""
     probes = []
 
     def probe(rate: float) -> bool:
@@ -326,11 +330,16 @@ def find_capacity(a, target: Target, model, spec: WorkloadSpec, slo: M.SLO, out_
         ok, why = cap.probe_passes(summary, slo.tbt_s, slo.sched_delay_p50_s, offered_rate=rate)
         log(f"  probe {rate:.3f} req/s: {'PASS' if ok else 'fail'} ({why})")
         probes.append({"rate": rate, "passed": ok, "why": why, "summary": summary})
+        if on_probe:
+            passed = [p["rate"] for p in probes if p["passed"]]
+            on_probe({"capacity_req_s": max(passed, default=None), "complete": False, "probes": probes})
         return ok
 
-    best, history = cap.search(probe, a.initial_rate, max_probes=a.max_probes, rel_tol=a.rel_tol)
+    best, history = cap.search(probe, a.initial_rate, max_probes=a.max_probes, rel_tol=a.rel_tol,
+                               growth=a.growth)
     log(f"capacity: {best} req/s after {len(history)} probes")
-    return {"capacity_req_s": best, "rule": {"tbt_p99_s": slo.tbt_s, "sched_delay_p50_s": slo.sched_delay_p50_s},
+    return {"capacity_req_s": best, "complete": True,
+            "rule": {"tbt_p99_s": slo.tbt_s, "sched_delay_p50_s": slo.sched_delay_p50_s, "keep_up": 0.9},
             "history": history, "probes": probes}
 
 
@@ -338,10 +347,14 @@ def cmd_capacity(a) -> int:
     model = resolve_model(a)
     spec, slo = spec_from(a, model), slo_from(a)
     out_dir = Path(a.out_dir)
+
+    def save(result: dict) -> None:
+        write_json(Path(a.summary_dir or out_dir) / f"{a.name}.json",
+                   {"kind": "capacity", "target": target_desc(a, a.policy), "workload": spec.describe(), **result})
+
     with Target(a, model=model) as t:
-        result = find_capacity(a, t, model, spec, slo, out_dir)
-    write_json(Path(a.summary_dir or out_dir) / f"{a.name}.json",
-               {"kind": "capacity", "target": target_desc(a, t.policy), "workload": spec.describe(), **result})
+        result = find_capacity(a, t, model, spec, slo, out_dir, on_probe=save)
+    save(result)
     return 0 if result["capacity_req_s"] else 1
 
 

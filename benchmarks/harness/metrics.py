@@ -35,6 +35,24 @@ def _stats(values) -> dict:
     return summarize([v for v in values if v is not None])
 
 
+def arrival_window_rates(results) -> tuple[float | None, float | None]:
+    """(offered, admitted) req/s over the arrival window, blind to the output-length tail.
+
+    offered: the requests' planned arrivals, first to last (the realised Poisson rate,
+    which strays from the nominal one by about 1/sqrt(n)). admitted: the same requests
+    from the first arrival to the last first token. A system that keeps up admits at
+    the offered rate; an overloaded one admits at its own rate while its queue grows.
+    """
+    planned = [r.scheduled_s for r in results]
+    firsts = [r.first_token_s for r in results if r.first_token_s is not None]
+    if len(planned) < 2 or max(planned) <= min(planned):
+        return None, None
+    offered = (len(planned) - 1) / (max(planned) - min(planned))
+    admitted = ((len(firsts) - 1) / (max(firsts) - min(planned))
+                if len(firsts) >= 2 and max(firsts) > min(planned) else None)
+    return offered, admitted
+
+
 def aggregate(results, wall_s: float, slo: SLO) -> dict:
     """Aggregates over finished requests; `results` are loadgen.Result (or alike)."""
     ok = [r for r in results if r.ok]
@@ -45,6 +63,7 @@ def aggregate(results, wall_s: float, slo: SLO) -> dict:
         span = max(r.finished_s for r in ok) - min(r.sent_s for r in results)
     span = span if span and span > 0 else float("nan")
     good = [r for r in ok if meets_slo(r.ttft, r.tbts, slo)]
+    offered, admitted = arrival_window_rates(results)
     out_tokens = sum(r.output_tokens for r in ok)
     prompt_tokens = sum(r.prompt_len for r in ok)
     per_replica: dict[str, int] = {}
@@ -60,6 +79,8 @@ def aggregate(results, wall_s: float, slo: SLO) -> dict:
         "throughput_req_s": len(ok) / span,
         "throughput_output_tok_s": out_tokens / span,
         "throughput_total_tok_s": (out_tokens + prompt_tokens) / span,
+        "offered_req_s": offered,
+        "admitted_req_s": admitted,
         "goodput": {"slo": slo.__dict__, "share": len(good) / len(results) if results else None,
                     "req_s": len(good) / span},
         "ttft_s": _stats(r.ttft for r in ok),

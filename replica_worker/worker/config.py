@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--device", default=_env("DEVICE", "cpu"))
     p.add_argument("--scheduler", default=_env("SCHEDULER", "sarathi"), choices=SCHEDULER_NAMES)
     p.add_argument("--chunk-size", type=int, default=int(_env("CHUNK_SIZE", 512)))
+    p.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_NUM_BATCHED_TOKENS"),
+                   help="token budget of a step for the unchunked schedulers (vllm, orca, ...); "
+                        "default: the model's length limit")
     p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", 128)))
     p.add_argument("--num-blocks", type=int, default=_env("NUM_BLOCKS"))
     p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", 16)))
@@ -81,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         "gpu_memory_utilization": a.gpu_memory_utilization,
         "dtype": a.dtype or ("float32" if a.device == "cpu" else "bfloat16"),
     }
+    if a.max_num_batched_tokens is not None:
+        engine_args["max_num_batched_tokens"] = int(a.max_num_batched_tokens)
     if a.num_blocks is not None:
         engine_args["num_blocks"] = int(a.num_blocks)
     return WorkerConfig(

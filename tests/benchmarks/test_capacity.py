@@ -26,6 +26,14 @@ def test_bounded_probes_return_best_pass_so_far():
     assert [r for r, _ in history] == [2.0, 4.0, 8.0, 6.0]
 
 
+def test_smaller_growth_brackets_near_a_good_guess():
+    best, history = search(lambda r: r <= 11.0, 10.0, max_probes=4, rel_tol=0.0, growth=1.25)
+    assert [r for r, _ in history] == [10.0, 12.5, 11.25, 10.625]
+    assert best == 10.625
+    with pytest.raises(ValueError):
+        search(lambda r: True, 1.0, growth=1.0)
+
+
 def test_nothing_passes():
     best, history = search(lambda r: False, 1.0, max_probes=5)
     assert best is None and len(history) == 5
@@ -39,3 +47,24 @@ def test_probe_rule():
     assert not probe_passes({**s, "errors": 1}, 0.1)[0]
     assert probe_passes({**s, "throughput_req_s": 9.5}, 0.1, offered_rate=10)[0]
     assert not probe_passes({**s, "throughput_req_s": 6.0}, 0.1, offered_rate=10)[0]
+
+
+def test_keep_up_uses_the_arrival_window_when_known():
+    s = {"errors": 0, "tbt_s": {"p99": 0.05}, "server_scheduling_delay_s": {"p50": 0.5},
+         "throughput_req_s": 5.0}  # a long output tail after the last arrival
+    assert probe_passes({**s, "offered_req_s": 9.0, "admitted_req_s": 8.8}, 0.1, offered_rate=10)[0]
+    ok, why = probe_passes({**s, "offered_req_s": 9.0, "admitted_req_s": 6.0}, 0.1, offered_rate=10)
+    assert not ok and "admitted 6.00 of 9.00" in why
+
+
+def test_arrival_window_rates():
+    from types import SimpleNamespace as R
+
+    from benchmarks.harness.metrics import arrival_window_rates
+
+    # 11 arrivals over 10 s; first tokens keep up until the last, admitted 1 s late.
+    rs = [R(scheduled_s=float(i), first_token_s=i + 0.2) for i in range(10)]
+    rs.append(R(scheduled_s=10.0, first_token_s=11.0))
+    offered, admitted = arrival_window_rates(rs)
+    assert offered == pytest.approx(1.0) and admitted == pytest.approx(10 / 11)
+    assert arrival_window_rates(rs[:1]) == (None, None)

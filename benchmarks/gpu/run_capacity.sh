@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The H200 capacity figures, run on the device machine from the repo root, with .carry
+# from prepare-carry.sh. Each phase fits one device call (under 10 minutes):
+#
+#   single    one replica per GPU, at once: sarathi on GPU 0 and vllm on GPU 1, each a
+#             capacity search at p99 TBT 100 ms on the sharegpt-like workload
+#   pair      two replicas (GPU 0 and 1) under pull: capacity, bracketed from PAIR_FROM
+#             req/s (about twice the single sarathi capacity) in steps of 1.25x
+#   policies  pull, then round_robin, at 90% of CAPACITY req/s (the pair's capacity)
+#
+# Usage: benchmarks/gpu/run_capacity.sh PHASE [OUT_DIR]; results land in OUT_DIR
+# (default $OUT): <name>.json and PNG summaries, per-probe CSV/PNG under harness/,
+# and each phase's log. Every run is cut at BUDGET_S seconds; a cut capacity search
+# keeps the probes it finished (its JSON says "complete": false). A dry run of the
+# script on a CPU: MODEL_DIR=<tiny model> DEVICE=cpu NO_CARRY=1 PYTHON=.venv/bin/python
+# EXTRA_ARGS="--scale 0.0625" ... (EXTRA_ARGS goes to every harness command).
+set -uo pipefail
+phase=${1:?single, pair or policies}
+out=$(mkdir -p "${2:-${OUT:?give OUT_DIR}}" && cd "${2:-$OUT}" && pwd)
+budget=${BUDGET_S:-520}
+model=${MODEL_DIR:-/tmp/llama31-8b-shape}
+device=${DEVICE:-cuda}
+
+if [ -d .carry ] && [ -z "${NO_CARRY:-}" ]; then
+  source benchmarks/gpu/device-env.sh .carry
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PY=${PYTHON:-python3}
+[ -f "$model/config.json" ] || $PY -m benchmarks model-dir "$model" >/dev/null || exit 1
+
+cleanup() {  # stacks run in their own sessions: a run cut by timeout leaves them behind
+  pkill -f -- "-m (stack|router|replica_worker)( |$)" 2>/dev/null
+  pkill -f -- "redis-server (127[.]0[.]0[.]1:|.*--port)" 2>/dev/null
+  sleep 1
+}
+cleanup
+
+common=(--workload sharegpt --seed 1 --tbt-slo 0.1 --hardware h200 --device "$device" --model "$model"
+        --replica-arg=--load-format --replica-arg=dummy --replica-arg=--max-num-seqs --replica-arg=128
+        --replica-arg=--chunk-size --replica-arg=512 --no-progress --summary-dir "$out" ${EXTRA_ARGS:-})
+vllm_budget=(--replica-arg=--max-num-batched-tokens --replica-arg=8192)  # the workload's total limit
+
+run() {  # name, then the harness arguments
+  local name=$1; shift
+  echo "== $name: python -m benchmarks $*" >>"$out/$name.log"
+  timeout -s INT -k 40 "$budget" $PY -m benchmarks "$@" --name "$name" --out-dir "$out/harness/$name" \
+    --stack-log-dir "/tmp/stack-logs/$name" >>"$out/$name.log" 2>&1
+  echo "== $name: exit $?" >>"$out/$name.log"
+}
+
+case $phase in
+  single)
+    CUDA_VISIBLE_DEVICES=0 run h200_capacity_sarathi capacity "${common[@]}" --start-stack --replicas 1 \
+      --scheduler sarathi -n "${N_SARATHI:-200}" --initial-rate "${SARATHI_FROM:-4}" --growth 1.5 \
+      --max-probes 6 --rel-tol 0.08 &
+    CUDA_VISIBLE_DEVICES=1 run h200_capacity_vllm capacity "${common[@]}" "${vllm_budget[@]}" --start-stack \
+      --replicas 1 --scheduler vllm -n "${N_VLLM:-100}" --initial-rate "${VLLM_FROM:-1.5}" --growth 1.5 \
+      --max-probes 6 --rel-tol 0.1 &
+    wait ;;
+  pair)
+    run h200_capacity_pull_2replicas capacity "${common[@]}" --start-stack --replicas 2 \
+      --stack-arg=--replica-gpus=0,1 --policy pull -n "${N_PAIR:-400}" \
+      --initial-rate "${PAIR_FROM:?about twice the single sarathi capacity}" --growth 1.25 \
+      --max-probes 4 --rel-tol 0.05 ;;
+  policies)
+    run h200_policies_2replicas compare "${common[@]}" --start-stack --replicas 2 \
+      --stack-arg=--replica-gpus=0,1 --policies pull round_robin -n "${N_PAIR:-400}" \
+      --capacity "${CAPACITY:?the pair capacity in req/s}" --loads 0.9 ;;
+  *) echo "unknown phase $phase" >&2; exit 2 ;;
+esac
+cleanup
+mkdir -p "$out/stack-logs"
+for f in /tmp/stack-logs/*/*/*.log /tmp/stack-logs/*/*.log /tmp/stack-logs/*/*/stack.out /tmp/stack-logs/*/stack.out; do
+  [ -f "$f" ] && tail -n 60 "$f" >"$out/stack-logs/$(echo "${f#/tmp/stack-logs/}" | tr / _)"
+done
+tail -n 40 "$out"/*.log
