@@ -4,6 +4,7 @@
 #
 #   single    one replica per GPU, at once: sarathi on GPU 0 and vllm on GPU 1, each a
 #             capacity search at p99 TBT 100 ms on the sharegpt-like workload
+#   chunks    sarathi's token budget (chunk size) CHUNK_A on GPU 0 and CHUNK_B on GPU 1, at once
 #   pair      two replicas (GPU 0 and 1) under pull: capacity, bracketed from PAIR_FROM
 #             req/s (about twice the single sarathi capacity) in steps of 1.25x
 #   policies  pull, then round_robin, at 90% of CAPACITY req/s (the pair's capacity)
@@ -37,7 +38,8 @@ cleanup
 
 common=(--workload sharegpt --seed 1 --tbt-slo 0.1 --hardware h200 --device "$device" --model "$model"
         --replica-arg=--load-format --replica-arg=dummy --replica-arg=--max-num-seqs --replica-arg=128
-        --replica-arg=--chunk-size --replica-arg=512 --no-progress --summary-dir "$out" ${EXTRA_ARGS:-})
+        --no-progress --summary-dir "$out" ${EXTRA_ARGS:-})
+chunk() { echo "--replica-arg=--chunk-size" "--replica-arg=$1"; }
 vllm_budget=(--replica-arg=--max-num-batched-tokens --replica-arg=8192)  # the workload's total limit
 
 run() {  # name, then the harness arguments
@@ -51,19 +53,27 @@ run() {  # name, then the harness arguments
 case $phase in
   single)
     CUDA_VISIBLE_DEVICES=0 run h200_capacity_sarathi capacity "${common[@]}" --start-stack --replicas 1 \
-      --scheduler sarathi -n "${N_SARATHI:-200}" --initial-rate "${SARATHI_FROM:-4}" --growth 1.5 \
+      --scheduler sarathi $(chunk "${CHUNK:-512}") -n "${N_SARATHI:-200}" --initial-rate "${SARATHI_FROM:-4}" --growth 1.5 \
       --max-probes 6 --rel-tol 0.08 &
     CUDA_VISIBLE_DEVICES=1 run h200_capacity_vllm capacity "${common[@]}" "${vllm_budget[@]}" --start-stack \
       --replicas 1 --scheduler vllm -n "${N_VLLM:-100}" --initial-rate "${VLLM_FROM:-1.5}" --growth 1.5 \
       --max-probes 6 --rel-tol 0.1 &
     wait ;;
+  chunks)  # sarathi's token budget: CHUNK_A on GPU 0 and CHUNK_B on GPU 1, at once
+    for g in 0 1; do
+      c=$([ $g = 0 ] && echo "${CHUNK_A:-1024}" || echo "${CHUNK_B:-2048}")
+      CUDA_VISIBLE_DEVICES=$g run "h200_capacity_sarathi_chunk$c" capacity "${common[@]}" --start-stack \
+        --replicas 1 --scheduler sarathi $(chunk "$c") -n "${N_SARATHI:-200}" \
+        --initial-rate "${SARATHI_FROM:-6.5}" --growth 1.25 --max-probes 4 --rel-tol 0.08 &
+    done
+    wait ;;
   pair)
-    run h200_capacity_pull_2replicas capacity "${common[@]}" --start-stack --replicas 2 \
+    run h200_capacity_pull_2replicas capacity "${common[@]}" $(chunk "${CHUNK:-512}") --start-stack --replicas 2 \
       --stack-arg=--replica-gpus=0,1 --policy pull -n "${N_PAIR:-400}" \
       --initial-rate "${PAIR_FROM:?about twice the single sarathi capacity}" --growth 1.25 \
       --max-probes 4 --rel-tol 0.05 ;;
   policies)
-    run h200_policies_2replicas compare "${common[@]}" --start-stack --replicas 2 \
+    run h200_policies_2replicas compare "${common[@]}" $(chunk "${CHUNK:-512}") --start-stack --replicas 2 \
       --stack-arg=--replica-gpus=0,1 --policies pull round_robin -n "${N_PAIR:-400}" \
       --capacity "${CAPACITY:?the pair capacity in req/s}" --loads 0.9 ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
