@@ -8,6 +8,7 @@
 #   pair      two replicas (GPU 0 and 1) under pull: capacity, bracketed from PAIR_FROM
 #             req/s (about twice the single sarathi capacity) in steps of 1.25x
 #   policies  pull, then round_robin, at 90% of CAPACITY req/s (the pair's capacity)
+#   pair+policies  the two above in one call
 #
 # Usage: benchmarks/gpu/run_capacity.sh PHASE [OUT_DIR]; results land in OUT_DIR
 # (default $OUT): <name>.json and PNG summaries, per-probe CSV/PNG under harness/,
@@ -22,8 +23,8 @@ budget=${BUDGET_S:-520}
 model=${MODEL_DIR:-/tmp/llama31-8b-shape}
 device=${DEVICE:-cuda}
 
-if [ -d .carry ] && [ -z "${NO_CARRY:-}" ]; then
-  source benchmarks/gpu/device-env.sh .carry
+if [ -d .carry ] && [ -z "${NO_CARRY:-}" ] && [ -z "${CARRY_SOURCED:-}" ]; then
+  source benchmarks/gpu/device-env.sh .carry && export CARRY_SOURCED=1
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
@@ -71,7 +72,13 @@ case $phase in
     run h200_capacity_pull_2replicas capacity "${common[@]}" $(chunk "${CHUNK:-512}") --start-stack --replicas 2 \
       --stack-arg=--replica-gpus=0,1 --policy pull -n "${N_PAIR:-400}" \
       --initial-rate "${PAIR_FROM:?about twice the single sarathi capacity}" --growth 1.25 \
-      --max-probes 4 --rel-tol 0.05 ;;
+      --max-probes "${PAIR_PROBES:-4}" --rel-tol 0.05 ;;
+  pair+policies)  # both, in one call: CAPACITY is the pair's result
+    BUDGET_S=${PAIR_BUDGET_S:-270} "$0" pair "$out" || true
+    CAPACITY=$($PY -c "import json; print(json.load(open('$out/h200_capacity_pull_2replicas.json'))['capacity_req_s'] or '')")
+    [ -n "$CAPACITY" ] || { echo "no pair capacity: policies not run"; exit 1; }
+    BUDGET_S=${POLICIES_BUDGET_S:-230} CAPACITY=$CAPACITY "$0" policies "$out"
+    exit ;;
   policies)
     run h200_policies_2replicas compare "${common[@]}" $(chunk "${CHUNK:-512}") --start-stack --replicas 2 \
       --stack-arg=--replica-gpus=0,1 --policies pull round_robin -n "${N_PAIR:-400}" \

@@ -9,6 +9,7 @@ to its event loop with call_soon_threadsafe).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -54,10 +55,35 @@ class EngineReport:
     step_id: int = 0
 
 
+# Exit status of a replica whose accelerator failed (sysexits' EX_SOFTWARE).
+DEVICE_FAILED_EXIT = 70
+
+
+def is_fatal_device_error(exc: BaseException) -> bool:
+    """A CUDA error other than out-of-memory leaves the context unusable: every later
+    kernel fails too, so the process cannot serve again (an OOM can be recovered)."""
+    if "out of memory" in str(exc).lower():
+        return False
+    accelerator_error = getattr(__import__("torch"), "AcceleratorError", ())
+    return isinstance(exc, accelerator_error) or "CUDA error" in str(exc)
+
+
+def exit_process(exc: BaseException) -> None:
+    """Ends the replica at once, as a crash would: its stream drops, and the router
+    requeues its requests (with the tokens they already have) onto other replicas
+    instead of failing them here. A supervisor (Kubernetes, compose) restarts it."""
+    log.critical("accelerator failed (%s); exiting with status %d so the router moves this "
+                 "replica's requests elsewhere", exc, DEVICE_FAILED_EXIT)
+    logging.shutdown()
+    os._exit(DEVICE_FAILED_EXIT)
+
+
 class EngineLoop:
-    def __init__(self, engine: EngineCore, on_report: Callable[[EngineReport], None]):
+    def __init__(self, engine: EngineCore, on_report: Callable[[EngineReport], None],
+                 on_device_failure: Callable[[BaseException], None] = exit_process):
         self._engine = engine
         self._on_report = on_report
+        self._on_device_failure = on_device_failure
         self._inbox: deque = deque()
         self._wake = threading.Condition()
         self._stopped = False
@@ -93,7 +119,11 @@ class EngineLoop:
                 self._inbox.clear()
             try:
                 self._iterate(commands)
-            except Exception:  # a broken step must not kill the thread silently
+            except Exception as exc:  # a broken step must not kill the thread silently
+                if is_fatal_device_error(exc):
+                    log.exception("engine step failed on the accelerator")
+                    self._on_device_failure(exc)
+                    return
                 log.exception("engine step failed; failing its requests")
                 self._fail_all("engine step failed")
 

@@ -30,7 +30,7 @@ class _Sched:
 
 class FakeEngine:
     """Each step emits one token (id 1) per request; a request finishes after
-    `length` tokens. fail_steps: how many next steps raise. fail_add: request
+    `length` tokens. fail_steps: how many next steps raise step_error. fail_add: request
     ids whose add_request raises an unexpected error."""
 
     def __init__(self, seats: int = 4, tokens: int = 1000, length: int = 3) -> None:
@@ -38,6 +38,7 @@ class FakeEngine:
         self.reqs: dict[str, int] = {}
         self.step_id = 0
         self.fail_steps = 0
+        self.step_error: Exception = RuntimeError("boom in step")
         self.fail_after_sampling = False
         self.fail_add: set[str] = set()
         self.hold = False  # when True, step() produces nothing (requests stay in hand)
@@ -63,7 +64,7 @@ class FakeEngine:
             if self.fail_after_sampling:  # tokens appended, never reported
                 for rid in self.reqs:
                     self.reqs[rid] += 1
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            raise self.step_error
         deltas = []
         for rid, n in list(self.reqs.items()):
             d = RequestDelta(rid, [1], "x", n)

@@ -64,6 +64,39 @@ def test_engine_step_failure_fails_its_requests_and_the_worker_lives():
     run(main())
 
 
+def test_accelerator_failure_ends_the_replica_without_failing_its_requests():
+    """A CUDA error leaves the device unusable: the worker must not fail its requests
+    (the router requeues them once the replica is gone), only hand over to the exit."""
+    async def main():
+        engine = FakeEngine(seats=4, length=3)
+        worker = make_worker(engine)
+        failures = []
+        worker.engine_loop._on_device_failure = failures.append  # instead of os._exit
+        async with Wired(worker) as w:
+            engine.fail_steps = 1
+            engine.step_error = RuntimeError("CUDA error: an illegal memory access was encountered")
+            assign(worker, assignment("a"))
+            for _ in range(100):
+                if failures:
+                    break
+                await asyncio.sleep(0.02)
+            assert [str(e) for e in failures] == ["CUDA error: an illegal memory access was encountered"]
+            assert not [d for d in deltas_of(await w.settle()) if d.HasField("finish_reason")]
+            assert "a" in worker.book.live
+    run(main())
+
+
+def test_fatal_device_errors_are_told_from_recoverable_ones():
+    import torch
+
+    from replica_worker.worker.engine_loop import is_fatal_device_error
+
+    assert is_fatal_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert is_fatal_device_error(torch.AcceleratorError("device-side assert triggered"))
+    assert not is_fatal_device_error(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
+    assert not is_fatal_device_error(RuntimeError("boom in step"))
+
+
 def test_unexpected_add_error_fails_that_request_only():
     async def main():
         engine = FakeEngine(seats=4, length=2)

@@ -89,6 +89,10 @@ class FlashInferBackend(AttentionBackend):
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=_KERNELS)
         self.decode_wrapper = self._decode_wrapper()
+        # plan() fills the wrapper's pinned int workspace on the host, then
+        # cudaMemcpyAsync's it to the device; the next plan() of the same
+        # wrapper must not rewrite it before that copy has run.
+        self._plan_done: dict[int, torch.cuda.Event] = {}
 
     def _decode_wrapper(self, **graph_buffers):
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -103,8 +107,16 @@ class FlashInferBackend(AttentionBackend):
         k_index = (slot_mapping // block_size) * (2 * block_size) + slot_mapping % block_size
         return k_index, k_index + block_size
 
+    def _plan(self, wrapper, *args, **kwargs) -> None:
+        done = self._plan_done.get(id(wrapper))
+        if done is not None:
+            done.synchronize()  # usually already complete: free
+        wrapper.plan(*args, **kwargs)
+        done = self._plan_done.setdefault(id(wrapper), torch.cuda.Event())
+        done.record()
+
     def _plan_decode(self, wrapper, indptr_host, indices, last_page_len_host, block_size) -> None:
-        wrapper.plan(
+        self._plan(wrapper,
             indptr_host, indices, last_page_len_host,
             self.num_heads, self.num_kv_heads, self.head_dim, block_size,
             q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
@@ -116,7 +128,8 @@ class FlashInferBackend(AttentionBackend):
         nnz_prefill = int(kv_indptr[p])
         prefill = decode = None
         if p:
-            self.prefill_wrapper.plan(
+            self._plan(
+                self.prefill_wrapper,
                 md.query_start_loc_host[: p + 1], kv_indptr[: p + 1], md.paged_kv_indices[:nnz_prefill],
                 md.paged_kv_last_page_len_host[:p],
                 self.num_heads, self.num_kv_heads, self.head_dim, bs,
