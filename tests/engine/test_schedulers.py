@@ -16,7 +16,7 @@ import pytest
 from replica_worker.engine.config import CacheConfig, SchedulerConfig
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.schedulers import SCHEDULERS, AdmissionCapacity, make_scheduler
-from replica_worker.engine.schedulers.base import BaseScheduler, SchedulerOutput
+from replica_worker.engine.schedulers.base import ADMISSION_LOOKAHEAD_STEPS, BaseScheduler, SchedulerOutput
 from replica_worker.engine.sequence import Sequence, SequenceStatus
 
 ALL = sorted(SCHEDULERS)
@@ -284,7 +284,7 @@ def test_admission_capacity_reaches_zero_and_recovers(name):
     cap = sched.admission_capacity()
     owed = sum(sched.block_manager.initial_blocks(s) for s in seqs[:2])
     backlog = 40  # two waiting prompts of 20 tokens
-    assert cap == AdmissionCapacity(2, min((32 - owed) * BLOCK, sched.budget - backlog))
+    assert cap == AdmissionCapacity(2, min((32 - owed) * BLOCK, ADMISSION_LOOKAHEAD_STEPS * sched.budget - backlog))
     for seq in seqs[2:]:
         sched.add_seq(seq)
     assert sched.admission_capacity() == AdmissionCapacity(0, 0)  # no seats
@@ -300,7 +300,10 @@ def test_admission_capacity_is_bounded_by_the_prefill_backlog(name):
     idle = sched.admission_capacity()
     assert idle.max_prompt_tokens > sched.budget, "an idle engine takes a prompt longer than its budget"
     sched.add_seq(seq_of("long", sched.budget, max_tokens=4))
-    assert sched.admission_capacity() == AdmissionCapacity(0, 0), "a full step of prefill is waiting"
+    if ADMISSION_LOOKAHEAD_STEPS > 1:
+        assert sched.admission_capacity().max_prompt_tokens == (ADMISSION_LOOKAHEAD_STEPS - 1) * sched.budget
+    sched.add_seq(seq_of("long2", (ADMISSION_LOOKAHEAD_STEPS - 1) * sched.budget, max_tokens=4))
+    assert sched.admission_capacity() == AdmissionCapacity(0, 0), "the lookahead's steps of prefill wait"
     simulate(sched, {})
     assert sched.admission_capacity() == idle
 
