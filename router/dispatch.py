@@ -85,7 +85,9 @@ class Dispatcher:
                 continue
             core.assign_local(req, session)
             session.pull_requests -= 1
-            session.pull_tokens -= req.context_len
+            # An overrun (see lua.POP) is not carried into the next grant: the
+            # replica's capacity already counts the request it started.
+            session.pull_tokens = max(0, session.pull_tokens - req.context_len)
             a = assign.assignments.add()
             a.CopyFrom(req.assignment)
             if req.tokens:

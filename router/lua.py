@@ -36,8 +36,10 @@ return out
 
 # Atomic peek-check-pop. KEYS: queue zset, inflight zset.
 # ARGV: prefix, replica, max_requests, max_prompt_tokens (0: no limit), lease expiry, now
-# Takes from the head while the request fits; stops at the first that does not
-# (head-of-line: arrival order holds). Cost = prompt + output so far (recomputed).
+# Takes from the head while token credit is left (head-of-line: arrival order
+# holds). The last request taken may overrun the credit: a replica grants tokens
+# for the prefill it can start soon, and a prompt longer than that must still
+# start on a replica with room. Cost = prompt + output so far (recomputed).
 POP = """
 local prefix, replica = ARGV[1], ARGV[2]
 local n, budget = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -53,7 +55,7 @@ for _, m in ipairs(heads) do
     redis.call('ZREM', KEYS[1], m)
   else
     local cost = tonumber(pl) + math.floor(redis.call('STRLEN', prefix .. 'out:' .. id) / 4)
-    if limited and cost > budget then break end
+    if limited and budget <= 0 then break end
     budget = budget - cost
     redis.call('ZREM', KEYS[1], m)
     redis.call('ZADD', KEYS[2], ARGV[5], id)

@@ -55,7 +55,7 @@ def test_pull_earliest_first_and_only_what_was_asked(redis_url, tiny_model, arun
     arun(scenario())
 
 
-def test_pull_head_of_line_respects_token_budget(redis_url, tiny_model, arun):
+def test_pull_token_credit_is_head_of_line_and_overrun_by_one_prompt(redis_url, tiny_model, arun):
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model)) as app:
             reps = Replicas(app.address, app.core.limits.vocab_size)
@@ -64,12 +64,15 @@ def test_pull_head_of_line_respects_token_budget(redis_url, tiny_model, arun):
                 reqs = [request([1] * 8, 2, request_id="big0"), request([1] * 5, 2, request_id="mid"),
                         request([1], 2, request_id="tiny")]
                 tasks = await submit_in_order(app, stub, reqs)
-                rep.pull(3, 10)  # big0 fits (8), mid does not (5 > 2): stop, do not skip to tiny
-                await wait_until(lambda: len(rep.rec.assignments) == 1)
+                # big0 (8) leaves 2 tokens of credit; mid (5) starts on them, overrunning
+                # the grant; then the credit is spent: tiny waits (no skipping ahead).
+                rep.pull(3, 10)
+                await wait_until(lambda: len(assigned_ids(rep)) == 2)
                 await asyncio.sleep(0.2)
-                assert assigned_ids(rep) == ["big0"]
-                rep.pull(3, 6)
-                await wait_until(lambda: len(rep.rec.assignments) == 3)
+                assert assigned_ids(rep) == ["big0", "mid"]
+                # The overrun (3) is not carried into the next grant.
+                rep.pull(1, 1)
+                await wait_until(lambda: len(assigned_ids(rep)) == 3)
                 assert assigned_ids(rep) == ["big0", "mid", "tiny"]
                 await asyncio.gather(*tasks)
             await reps.close()

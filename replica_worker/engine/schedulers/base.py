@@ -190,20 +190,21 @@ class BaseScheduler:
         seats left, and cache tokens left after the watermark and after the
         blocks already-waiting sequences will take at admission.
 
-        Tokens are also bounded by the prefill backlog: work that cannot start
-        within ADMISSION_LOOKAHEAD_STEPS steps' token budgets would only wait
-        here, bound too early, while another replica may be idle (late
-        binding). With no backlog any prompt that fits the cache is
-        admissible, so a prompt longer than the budget is never refused forever.
+        Tokens are also bounded by the prefill backlog, always: work that cannot
+        start within ADMISSION_LOOKAHEAD_STEPS steps' token budgets would only
+        wait here, bound too early, while another replica may be idle (late
+        binding). A grant stays open at the router until it is used, so an
+        unbounded grant made while idle would let the router pile later
+        arrivals onto this replica however busy it had become. A prompt longer
+        than the grant still comes: the router's last assignment of a grant
+        may overrun its tokens (lua.POP).
         """
         bm = self.block_manager
         seats = self.max_num_seqs - len(self.running) - len(self.waiting)
         owed = sum(bm.initial_blocks(seq) for seq in self.waiting)
         tokens = (bm.num_free_blocks - bm.watermark_blocks - owed) * bm.block_size
         tokens = min(tokens, max(seats, 0) * self.prompt_limit)
-        backlog = self.prefill_backlog()
-        if backlog:
-            tokens = min(tokens, ADMISSION_LOOKAHEAD_STEPS * self.budget - backlog)
+        tokens = min(tokens, ADMISSION_LOOKAHEAD_STEPS * self.budget - self.prefill_backlog())
         if seats <= 0 or tokens <= 0:
             return AdmissionCapacity(0, 0)
         return AdmissionCapacity(seats, tokens)
