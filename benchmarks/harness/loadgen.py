@@ -4,6 +4,7 @@ channels (many concurrent server streams each) and times every delta on arrival.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import re
 import sys
@@ -70,6 +71,7 @@ class Progress:
     def __init__(self, total: int, label: str = "", enabled: bool = True):
         self.total, self.label, self.enabled = total, label, enabled
         self.sent = self.done = self.errors = 0
+        self.max_loop_lag_s = 0.0
         self.t0 = time.monotonic()
         self.tty = sys.stderr.isatty()
         self._last = 0.0
@@ -160,11 +162,43 @@ async def _one(stub, req: Request, res: Result, t0: float, stream_interval: int,
     progress.show()
 
 
+async def _loop_lag(stop: asyncio.Event, prog: "Progress", period: float = 0.02) -> None:
+    """The longest the client's event loop was late to wake: a stall of the load
+    generator itself, which every request in flight counts as latency."""
+    while not stop.is_set():
+        due = time.monotonic() + period
+        await asyncio.sleep(period)
+        prog.max_loop_lag_s = max(prog.max_loop_lag_s, time.monotonic() - due)
+
+
 async def run_requests(address: str, requests: list[Request], *, channels: int = 2,
                        stream_interval: int = 1, timeout: float = 600.0, metrics_url: str | None = None,
                        scrape_period: float = 0.5, label: str = "", progress: bool = True,
-                       temperature: float = 0.0) -> tuple[list[Result], list, float]:
-    """Returns per-request results, (t, {replica: inflight}) scrapes, and the run's wall time."""
+                       temperature: float = 0.0) -> tuple[list[Result], list, float, float]:
+    """Returns per-request results, (t, {replica: inflight}) scrapes, the run's wall time,
+    and the longest stall of the client's own event loop (seconds).
+
+    The cyclic garbage collector is off for the run: a full collection over the run's
+    token timestamps blocks the event loop for tenths of a second on a busy machine,
+    and every request in flight would show that pause as server latency.
+    """
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        return await _run_requests(address, requests, channels=channels, stream_interval=stream_interval,
+                                   timeout=timeout, metrics_url=metrics_url, scrape_period=scrape_period,
+                                   label=label, progress=progress, temperature=temperature)
+    finally:
+        gc.unfreeze()
+        if gc_was_enabled:
+            gc.enable()
+
+
+async def _run_requests(address: str, requests: list[Request], *, channels: int, stream_interval: int,
+                        timeout: float, metrics_url: str | None, scrape_period: float, label: str,
+                        progress: bool, temperature: float) -> tuple[list[Result], list, float, float]:
     chans = [aio_channel(address) for _ in range(max(1, channels))]
     stubs = [generation_pb2_grpc.GenerationStub(c) for c in chans]
     for c in chans:
@@ -189,14 +223,16 @@ async def run_requests(address: str, requests: list[Request], *, channels: int =
                 pass
 
     tick = asyncio.create_task(ticker())
+    lag = asyncio.create_task(_loop_lag(ticker_stop, prog))
     await asyncio.gather(*tasks)
     wall = time.monotonic() - t0
     ticker_stop.set()
     stop.set()
     await tick
+    await lag
     if scraper:
         await scraper
     prog.show(force=True)
     for c in chans:
         await c.close()
-    return results, scrapes, wall
+    return results, scrapes, wall, prog.max_loop_lag_s

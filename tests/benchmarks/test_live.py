@@ -30,3 +30,33 @@ def test_harness_live_run(tmp_path):
         assert row["finish_reason"] == "length" and row["output_tokens"] == row["output_len"]
         assert row["replica"].startswith("replica-") and float(row["ttft_s"]) > 0
     assert s["ttft_s"]["p50"] is not None and s["tbt_s"]["n"] > 0
+
+
+def _harness(tmp_path, *args) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks", *args, "--start-stack", "--replicas", "2",
+           "--prompt-dist", "uniform", "--prompt-min", "8", "--prompt-max", "48", "--output-dist", "uniform",
+           "--output-min", "4", "--output-max", "16", "--warmup", "1", "--hardware", "none", "--seed", "3",
+           "--out-dir", str(tmp_path), "--name", args[0], "--no-progress"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / f"{args[0]}.json").read_text())
+
+
+def test_harness_live_compare(tmp_path):
+    result = _harness(tmp_path, "compare", "--policies", "pull", "round_robin", "--rates", "15", "-n", "8")
+    [key] = result["table"]
+    assert set(result["table"][key]) == {"pull", "round_robin"}
+    for policy, row in result["table"][key].items():
+        assert row["errors"] == 0 and row["server_ttft_p99_s"] > 0, (policy, row)
+    check = result["pull_vs_round_robin"][key]
+    assert check["ratio"] > 0 and check["server_ratio"] > 0
+    assert (tmp_path / f"compare-{key.replace(' ', '').replace('/', '')}-cdf.png").stat().st_size > 0
+
+
+def test_harness_live_capacity_search(tmp_path):
+    """Two probes: the first (a low rate) must pass; the JSON keeps both, complete."""
+    result = _harness(tmp_path, "capacity", "--initial-rate", "2", "--max-probes", "2", "-n", "6",
+                      "--tbt-slo", "5")
+    assert result["complete"] is True and len(result["probes"]) == 2
+    assert result["probes"][0]["passed"] and result["capacity_req_s"] >= 2
+    assert all(p["summary"]["offered_req_s"] and p["summary"]["admitted_req_s"] for p in result["probes"])
