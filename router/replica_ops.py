@@ -93,7 +93,7 @@ class ReplicaOps:
         # A Pull grants credit on top of what is outstanding (replica.proto), so
         # a grant crossing an Assign on the wire cannot over-commit the replica.
         session.pull_requests += pull.max_requests
-        if pull.max_prompt_tokens == 0:
+        if not pull.HasField("max_prompt_tokens"):
             session.pull_unlimited_tokens = True
         else:
             session.pull_tokens = (0 if session.pull_unlimited_tokens else session.pull_tokens) \

@@ -40,12 +40,13 @@ class PullCredit:
         requests = want_requests - queued_requests - self.outstanding_requests
         tokens = capacity.max_prompt_tokens - queued_tokens - self.outstanding_tokens
         # Each dimension is topped up on its own: a grant made under a prefill
-        # backlog leaves many seats but few tokens outstanding, and refusing
-        # to add tokens until the seats are used would idle the replica.
-        # Tokens are never granted alone as 0: a Pull's 0 means "no limit".
-        if tokens <= 0:
+        # backlog leaves many seats but few tokens outstanding, and one made
+        # while the token credit is still open (nothing arrived to use it)
+        # leaves tokens but no seats; waiting for the other dimension to be
+        # used first would idle the replica.
+        requests, tokens = max(requests, 0), max(tokens, 0)
+        if not requests and not tokens:
             return None
-        requests = max(requests, 0)
         self.outstanding_requests += requests
         self.outstanding_tokens += tokens
         return requests, tokens

@@ -3,6 +3,7 @@
 import asyncio
 
 from common.pb.quadriga.v1 import generation_pb2 as gpb
+from common.pb.quadriga.v1 import replica_pb2 as rpb
 from tests.support.router_harness import (Replicas, client, collect, make_config, request,
                                           running_router, tokens_of)
 from tests.support.scripted_replica import expected_tokens
@@ -74,6 +75,28 @@ def test_pull_token_credit_is_head_of_line_and_overrun_by_one_prompt(redis_url, 
                 rep.pull(1, 1)
                 await wait_until(lambda: len(assigned_ids(rep)) == 3)
                 assert assigned_ids(rep) == ["big0", "mid", "tiny"]
+                await asyncio.gather(*tasks)
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_a_seat_granted_alone_adds_no_tokens(redis_url, tiny_model, arun):
+    """Pull.max_prompt_tokens present and 0 adds seats only; absent means no limit."""
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            reps = Replicas(app.address, app.core.limits.vocab_size)
+            rep = await reps.add("r", auto_pull=False)
+            async with client(app.address) as stub:
+                reqs = [request([1] * 3, 2, request_id="a"), request([1] * 3, 2, request_id="b")]
+                tasks = await submit_in_order(app, stub, reqs)
+                rep.pull(1, 3)  # a takes the seat and every token
+                await wait_until(lambda: assigned_ids(rep) == ["a"])
+                rep._send(rpb.ReplicaMessage(pull=rpb.Pull(max_requests=1, max_prompt_tokens=0)))
+                await asyncio.sleep(0.3)
+                assert assigned_ids(rep) == ["a"], "a seat without tokens must not lift the token limit"
+                rep.pull(0, 1)
+                await wait_until(lambda: assigned_ids(rep) == ["a", "b"])
                 await asyncio.gather(*tasks)
             await reps.close()
 

@@ -106,9 +106,10 @@ class ScriptedReplica:
             self._out.put_nowait(None)
 
     def pull(self, max_requests: int, max_prompt_tokens: int = 0) -> None:
+        """max_prompt_tokens 0: no token limit (the field left out)."""
         self.rec.pulls.append((max_requests, max_prompt_tokens))
-        self._send(rpb.ReplicaMessage(pull=rpb.Pull(max_requests=max_requests,
-                                                    max_prompt_tokens=max_prompt_tokens)))
+        limit = {"max_prompt_tokens": max_prompt_tokens} if max_prompt_tokens else {}
+        self._send(rpb.ReplicaMessage(pull=rpb.Pull(max_requests=max_requests, **limit)))
 
     def hand_back(self, ids) -> None:
         for rid in ids:

@@ -29,3 +29,14 @@ def test_no_capacity_no_grant():
     credit = PullCredit()
     assert credit.grant(AdmissionCapacity(0, 0)) is None
     assert credit.grant(AdmissionCapacity(3, 0)) is None
+
+
+def test_a_freed_seat_is_granted_while_token_credit_is_still_open():
+    credit = PullCredit()
+    assert credit.grant(AdmissionCapacity(2, 1024)) == (2, 1024)
+    credit.on_assigned(2, 200)  # two short prompts: 824 tokens of credit still open
+    # A seat frees while a prefill backlog keeps the engine's token room (600)
+    # under the open credit: the seat alone is granted (0 tokens added), else
+    # the router could not use the open tokens and the replica would idle.
+    assert credit.grant(AdmissionCapacity(1, 600)) == (1, 0)
+    assert (credit.outstanding_requests, credit.outstanding_tokens) == (1, 824)
