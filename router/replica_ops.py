@@ -91,7 +91,8 @@ class ReplicaOps:
     # ---- messages ----
     def on_pull(self, session: "ReplicaSession", pull: rpb.Pull) -> None:
         # A Pull grants credit on top of what is outstanding (replica.proto), so
-        # a grant crossing an Assign on the wire cannot over-commit the replica.
+        # a grant crossing an Assign on the wire over-commits the replica by at
+        # most the one prompt a grant's last assignment may overrun.
         session.pull_requests += pull.max_requests
         if not pull.HasField("max_prompt_tokens"):
             session.pull_unlimited_tokens = True

@@ -15,6 +15,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from replica_worker.engine.core import EngineCore
 from replica_worker.engine.errors import InvalidRequestError
 from replica_worker.engine.outputs import EngineLoad, RequestDelta, StepResult
@@ -64,8 +66,7 @@ def is_fatal_device_error(exc: BaseException) -> bool:
     kernel fails too, so the process cannot serve again (an OOM can be recovered)."""
     if "out of memory" in str(exc).lower():
         return False
-    accelerator_error = getattr(__import__("torch"), "AcceleratorError", ())
-    return isinstance(exc, accelerator_error) or "CUDA error" in str(exc)
+    return isinstance(exc, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(exc)
 
 
 def exit_process(exc: BaseException) -> None:

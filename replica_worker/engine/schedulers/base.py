@@ -54,10 +54,9 @@ class SchedulerOutput:
 
 # How many steps of prefill a replica takes in ahead. One is too few: the step that
 # finishes the held work runs while the pull for the next request is still crossing
-# the wire, so the following step has no prompt to chunk and the prefill budget goes
-# unused (seen on the H200 with 2048-token chunks: pull's queueing delay rose to 0.6 s
-# at 90% load where pushing everything at once had 23 ms). Two keeps the next step's
-# prompt local while the refill is in flight, and binds at most one step early.
+# the wire, so the following step has no prompt to chunk and its prefill budget goes
+# unused. Two keeps the next step's prompt local while the refill is in flight, and
+# binds work at most one step early.
 ADMISSION_LOOKAHEAD_STEPS = 2
 
 
