@@ -40,6 +40,18 @@ def start_replica(port, rid, vocab, log, capacity=8):
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log, stderr=subprocess.STDOUT)
 
 
+def wait_for_joined(log_path: Path, replica_ids, timeout: float = 60) -> None:
+    """Until the router logged every replica's registration: a request sent before
+    would find one replica and, under a per-replica policy, stay bound to it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace")
+        if all(f"replica {rid} joined" in text for rid in replica_ids):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"replicas never joined:\n{log_path.read_text(errors='replace')[-2000:]}")
+
+
 async def follow(stub, req, progress: dict, breaks: list):
     """Streams until finished, re-attaching (from token 0) whenever the stream breaks."""
     for _ in range(300):
@@ -95,6 +107,7 @@ def test_router_sigkill_and_restart_loses_nothing(redis_url, tiny_model, tmp_pat
     log = open(tmp_path / "procs.log", "w")
     router = start_router(port, redis_url, tiny_model, prefix, log, lease_ttl, policy)
     replicas = [start_replica(port, f"r{i}", vocab, log, capacity=seats) for i in range(2)]
+    wait_for_joined(tmp_path / "procs.log", ["r0", "r1"])
     prompts = {f"job{i}": [i + 1, 7] for i in range(num_requests)}
     running = min(num_requests, 2 * seats)
 
