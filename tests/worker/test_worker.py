@@ -146,8 +146,14 @@ def test_step_failing_after_sampling_reports_the_error_at_the_delivered_offset()
             got = []
             while len(got) < 2:
                 got += [d for d in deltas_of([await w.next("step")]) if d.request_id == "a"]
+            # Pause the scripted engine: unpaused it steps as fast as it can, and
+            # its unread deltas would pile up in the outbox (gigabytes on a slow run).
+            engine.hold = True
+            got += [d for d in deltas_of(await w.settle()) if d.request_id == "a"]
             # The next step samples a token for "a", then fails before reporting it.
             engine.fail_steps, engine.fail_after_sampling = 1, True
+            engine.hold = False
+            worker.engine_loop.request_report()
             while not got[-1].HasField("finish_reason"):
                 got += [d for d in deltas_of([await w.next("step")]) if d.request_id == "a"]
             last = got[-1]
