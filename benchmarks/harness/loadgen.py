@@ -4,7 +4,6 @@ channels (many concurrent server streams each) and times every delta on arrival.
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import re
 import sys
@@ -177,28 +176,7 @@ async def run_requests(address: str, requests: list[Request], *, channels: int =
                        temperature: float = 0.0) -> tuple[list[Result], list, float, float]:
     """Returns per-request results, (t, {replica: inflight}) scrapes, the run's wall time,
     and the longest stall of the client's own event loop (seconds).
-
-    The cyclic garbage collector is off for the run: a full collection over the run's
-    token timestamps blocks the event loop for tenths of a second on a busy machine,
-    and every request in flight would show that pause as server latency.
     """
-    gc_was_enabled = gc.isenabled()
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    try:
-        return await _run_requests(address, requests, channels=channels, stream_interval=stream_interval,
-                                   timeout=timeout, metrics_url=metrics_url, scrape_period=scrape_period,
-                                   label=label, progress=progress, temperature=temperature)
-    finally:
-        gc.unfreeze()
-        if gc_was_enabled:
-            gc.enable()
-
-
-async def _run_requests(address: str, requests: list[Request], *, channels: int, stream_interval: int,
-                        timeout: float, metrics_url: str | None, scrape_period: float, label: str,
-                        progress: bool, temperature: float) -> tuple[list[Result], list, float, float]:
     chans = [aio_channel(address) for _ in range(max(1, channels))]
     stubs = [generation_pb2_grpc.GenerationStub(c) for c in chans]
     for c in chans:

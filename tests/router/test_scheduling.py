@@ -1,9 +1,9 @@
 """Pull, priority, round-robin and least-outstanding placement."""
 
 import asyncio
+import contextlib
 
 from common.pb.quadriga.v1 import generation_pb2 as gpb
-from common.pb.quadriga.v1 import replica_pb2 as rpb
 from tests.support.router_harness import (Replicas, client, collect, make_config, request,
                                           running_router, tokens_of)
 from tests.support.scripted_replica import expected_tokens
@@ -24,6 +24,20 @@ async def submit_in_order(app, stub, reqs):
         tasks.append(asyncio.create_task(collect(stub, r)))
         await wait_until(lambda: app.core.metrics.accepted._value.get() > before)
     return tasks
+
+
+@contextlib.asynccontextmanager
+async def one_replica_pulling_by_hand(redis_url, model, reqs):
+    """A router with one replica that pulls only when told, and reqs submitted in
+    arrival order; yields the replica and, on leaving, waits for every request."""
+    async with running_router(make_config(redis_url, model)) as app:
+        reps = Replicas(app.address, app.core.limits.vocab_size)
+        rep = await reps.add("r", auto_pull=False)
+        async with client(app.address) as stub:
+            tasks = await submit_in_order(app, stub, reqs)
+            yield rep
+            await asyncio.gather(*tasks)
+        await reps.close()
 
 
 def assigned_ids(replica):
@@ -58,25 +72,19 @@ def test_pull_earliest_first_and_only_what_was_asked(redis_url, tiny_model, arun
 
 def test_pull_token_credit_is_head_of_line_and_overrun_by_one_prompt(redis_url, tiny_model, arun):
     async def scenario():
-        async with running_router(make_config(redis_url, tiny_model)) as app:
-            reps = Replicas(app.address, app.core.limits.vocab_size)
-            rep = await reps.add("r", auto_pull=False)
-            async with client(app.address) as stub:
-                reqs = [request([1] * 8, 2, request_id="big0"), request([1] * 5, 2, request_id="mid"),
-                        request([1], 2, request_id="tiny")]
-                tasks = await submit_in_order(app, stub, reqs)
-                # big0 (8) leaves 2 tokens of credit; mid (5) starts on them, overrunning
-                # the grant; then the credit is spent: tiny waits (no skipping ahead).
-                rep.pull(3, 10)
-                await wait_until(lambda: len(assigned_ids(rep)) == 2)
-                await asyncio.sleep(0.2)
-                assert assigned_ids(rep) == ["big0", "mid"]
-                # The overrun (3) is not carried into the next grant.
-                rep.pull(1, 1)
-                await wait_until(lambda: len(assigned_ids(rep)) == 3)
-                assert assigned_ids(rep) == ["big0", "mid", "tiny"]
-                await asyncio.gather(*tasks)
-            await reps.close()
+        reqs = [request([1] * 8, 2, request_id="big0"), request([1] * 5, 2, request_id="mid"),
+                request([1], 2, request_id="tiny")]
+        async with one_replica_pulling_by_hand(redis_url, tiny_model, reqs) as rep:
+            # big0 (8) leaves 2 tokens of credit; mid (5) starts on them, overrunning
+            # the grant; then the credit is spent: tiny waits (no skipping ahead).
+            rep.pull(3, 10)
+            await wait_until(lambda: len(assigned_ids(rep)) == 2)
+            await asyncio.sleep(0.2)
+            assert assigned_ids(rep) == ["big0", "mid"]
+            # The overrun (3) is not carried into the next grant.
+            rep.pull(1, 1)
+            await wait_until(lambda: len(assigned_ids(rep)) == 3)
+            assert assigned_ids(rep) == ["big0", "mid", "tiny"]
 
     arun(scenario())
 
@@ -84,21 +92,15 @@ def test_pull_token_credit_is_head_of_line_and_overrun_by_one_prompt(redis_url, 
 def test_a_seat_granted_alone_adds_no_tokens(redis_url, tiny_model, arun):
     """Pull.max_prompt_tokens present and 0 adds seats only; absent means no limit."""
     async def scenario():
-        async with running_router(make_config(redis_url, tiny_model)) as app:
-            reps = Replicas(app.address, app.core.limits.vocab_size)
-            rep = await reps.add("r", auto_pull=False)
-            async with client(app.address) as stub:
-                reqs = [request([1] * 3, 2, request_id="a"), request([1] * 3, 2, request_id="b")]
-                tasks = await submit_in_order(app, stub, reqs)
-                rep.pull(1, 3)  # a takes the seat and every token
-                await wait_until(lambda: assigned_ids(rep) == ["a"])
-                rep._send(rpb.ReplicaMessage(pull=rpb.Pull(max_requests=1, max_prompt_tokens=0)))
-                await asyncio.sleep(0.3)
-                assert assigned_ids(rep) == ["a"], "a seat without tokens must not lift the token limit"
-                rep.pull(0, 1)
-                await wait_until(lambda: assigned_ids(rep) == ["a", "b"])
-                await asyncio.gather(*tasks)
-            await reps.close()
+        reqs = [request([1] * 3, 2, request_id="a"), request([1] * 3, 2, request_id="b")]
+        async with one_replica_pulling_by_hand(redis_url, tiny_model, reqs) as rep:
+            rep.pull(1, 3)  # a takes the seat and every token
+            await wait_until(lambda: assigned_ids(rep) == ["a"])
+            rep.grant_seats(1)
+            await asyncio.sleep(0.3)
+            assert assigned_ids(rep) == ["a"], "a seat without tokens must not lift the token limit"
+            rep.pull(0, 1)
+            await wait_until(lambda: assigned_ids(rep) == ["a", "b"])
 
     arun(scenario())
 
@@ -121,20 +123,12 @@ def test_outstanding_pull_is_served_on_arrival(redis_url, tiny_model, arun):
 
 def test_priority_then_arrival_order(redis_url, tiny_model, arun):
     async def scenario():
-        async with running_router(make_config(redis_url, tiny_model)) as app:
-            reps = Replicas(app.address, app.core.limits.vocab_size)
-            rep = await reps.add("r", auto_pull=False)
-            async with client(app.address) as stub:
-                reqs = [request([1], 1, request_id="low", priority=-1),
-                        request([2], 1, request_id="mid1"),
-                        request([3], 1, request_id="high", priority=5),
-                        request([4], 1, request_id="mid2")]
-                tasks = await submit_in_order(app, stub, reqs)
-                rep.pull(4)
-                await wait_until(lambda: len(rep.rec.assignments) == 4)
-                assert assigned_ids(rep) == ["high", "mid1", "mid2", "low"]
-                await asyncio.gather(*tasks)
-            await reps.close()
+        reqs = [request([1], 1, request_id="low", priority=-1), request([2], 1, request_id="mid1"),
+                request([3], 1, request_id="high", priority=5), request([4], 1, request_id="mid2")]
+        async with one_replica_pulling_by_hand(redis_url, tiny_model, reqs) as rep:
+            rep.pull(4)
+            await wait_until(lambda: len(rep.rec.assignments) == 4)
+            assert assigned_ids(rep) == ["high", "mid1", "mid2", "low"]
 
     arun(scenario())
 

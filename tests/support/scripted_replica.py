@@ -111,6 +111,11 @@ class ScriptedReplica:
         limit = {"max_prompt_tokens": max_prompt_tokens} if max_prompt_tokens else {}
         self._send(rpb.ReplicaMessage(pull=rpb.Pull(max_requests=max_requests, **limit)))
 
+    def grant_seats(self, max_requests: int) -> None:
+        """A Pull of seats alone: max_prompt_tokens present and 0 adds no tokens."""
+        self.rec.pulls.append((max_requests, 0))
+        self._send(rpb.ReplicaMessage(pull=rpb.Pull(max_requests=max_requests, max_prompt_tokens=0)))
+
     def hand_back(self, ids) -> None:
         for rid in ids:
             self.running.pop(rid, None)
