@@ -16,6 +16,8 @@
 # keeps the probes it finished (its JSON says "complete": false). A dry run of the
 # script on a CPU: MODEL_DIR=<tiny model> DEVICE=cpu NO_CARRY=1 PYTHON=.venv/bin/python
 # EXTRA_ARGS="--scale 0.0625" ... (EXTRA_ARGS goes to every harness command).
+# SEATS (default 128) is every replica's --max-num-seqs; SUFFIX is appended to every
+# result name, so a run with other settings keeps the earlier results beside it.
 set -uo pipefail
 phase=${1:?single, pair or policies}
 out=$(mkdir -p "${2:-${OUT:?give OUT_DIR}}" && cd "${2:-$OUT}" && pwd)
@@ -38,13 +40,13 @@ cleanup() {  # stacks run in their own sessions: a run cut by timeout leaves the
 cleanup
 
 common=(--workload sharegpt --seed 1 --tbt-slo 0.1 --hardware h200 --device "$device" --model "$model"
-        --replica-arg=--load-format --replica-arg=dummy --replica-arg=--max-num-seqs --replica-arg=128
+        --replica-arg=--load-format --replica-arg=dummy --replica-arg=--max-num-seqs --replica-arg="${SEATS:-128}"
         --no-progress --summary-dir "$out" ${EXTRA_ARGS:-})
 chunk() { echo "--replica-arg=--chunk-size" "--replica-arg=$1"; }
 vllm_budget=(--replica-arg=--max-num-batched-tokens --replica-arg=8192)  # the workload's total limit
 
 run() {  # name, then the harness arguments
-  local name=$1; shift
+  local name=$1${SUFFIX:-}; shift
   echo "== $name: python -m benchmarks $*" >>"$out/$name.log"
   timeout -s INT -k 40 "$budget" $PY -m benchmarks "$@" --name "$name" --out-dir "$out/harness/$name" \
     --stack-log-dir "/tmp/stack-logs/$name" >>"$out/$name.log" 2>&1
@@ -54,10 +56,10 @@ run() {  # name, then the harness arguments
 case $phase in
   single)
     CUDA_VISIBLE_DEVICES=0 run h200_capacity_sarathi capacity "${common[@]}" --start-stack --replicas 1 \
-      --scheduler sarathi $(chunk "${CHUNK:-512}") -n "${N_SARATHI:-200}" --initial-rate "${SARATHI_FROM:-4}" --growth 1.5 \
+      --scheduler sarathi $(chunk "${CHUNK:-512}") -n "${N_SARATHI:-200}" --initial-rate "${SARATHI_FROM:-4}" --growth "${SARATHI_GROWTH:-1.5}" \
       --max-probes 6 --rel-tol 0.08 &
     CUDA_VISIBLE_DEVICES=1 run h200_capacity_vllm capacity "${common[@]}" "${vllm_budget[@]}" --start-stack \
-      --replicas 1 --scheduler vllm -n "${N_VLLM:-100}" --initial-rate "${VLLM_FROM:-1.5}" --growth 1.5 \
+      --replicas 1 --scheduler vllm -n "${N_VLLM:-100}" --initial-rate "${VLLM_FROM:-1.5}" --growth "${VLLM_GROWTH:-1.5}" \
       --max-probes 6 --rel-tol 0.1 &
     wait ;;
   chunks)  # sarathi's token budget: CHUNK_A on GPU 0 and CHUNK_B on GPU 1, at once
@@ -75,7 +77,7 @@ case $phase in
       --max-probes "${PAIR_PROBES:-4}" --rel-tol 0.05 ;;
   pair+policies)  # both, in one call: CAPACITY is the pair's result
     BUDGET_S=${PAIR_BUDGET_S:-270} "$0" pair "$out" || true
-    CAPACITY=$($PY -c "import json; print(json.load(open('$out/h200_capacity_pull_2replicas.json'))['capacity_req_s'] or '')")
+    CAPACITY=$($PY -c "import json; print(json.load(open('$out/h200_capacity_pull_2replicas${SUFFIX:-}.json'))['capacity_req_s'] or '')")
     [ -n "$CAPACITY" ] || { echo "no pair capacity: policies not run"; exit 1; }
     BUDGET_S=${POLICIES_BUDGET_S:-230} CAPACITY=$CAPACITY "$0" policies "$out"
     exit ;;
