@@ -276,10 +276,12 @@ def measured(target: Target, a, model, requests, label: str, slo: M.SLO, out_dir
     if limit:
         roofline.attach(summary, limit)
     M.write_csv(out_dir / f"{stem}.csv", results)
+    M.write_summary_csv(out_dir / f"{stem}-summary.csv", summary)
     plots.cdf_plot(out_dir / f"{stem}-cdf.png", {label: results}, title=label)
     plots.load_plot(out_dir / f"{stem}-load.png", M.inflight_timeline(results), scrapes,
                     title=f"{label}: requests in flight per replica")
-    summary["files"] = {"csv": str(out_dir / f"{stem}.csv"), "cdf_png": str(out_dir / f"{stem}-cdf.png"),
+    summary["files"] = {"csv": str(out_dir / f"{stem}.csv"), "summary_csv": str(out_dir / f"{stem}-summary.csv"),
+                        "cdf_png": str(out_dir / f"{stem}-cdf.png"),
                         "load_png": str(out_dir / f"{stem}-load.png")}
     log(line(label, summary))
     return summary, results

@@ -122,6 +122,30 @@ def write_csv(path: Path, results) -> Path:
     return path
 
 
+SUMMARY_CSV_FIELDS = ["metric", "n", "mean", "p50", "p90", "p99", "max"]
+
+
+def write_summary_csv(path: Path, summary: dict) -> Path:
+    """The aggregates as a table: one row per latency distribution (n, mean, p50, p90,
+    p99, max), then one row per rate or count, its value under `mean`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scalars = ["requests", "finished", "errors", "exact_output_length", "duration_s", "throughput_req_s",
+               "throughput_output_tok_s", "throughput_total_tok_s", "offered_req_s", "admitted_req_s",
+               "preemptions", "requeues"]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(SUMMARY_CSV_FIELDS)
+        for key, value in summary.items():
+            if isinstance(value, dict) and "p99" in value:
+                w.writerow([key, value.get("n", 0), *(_f(value.get(k)) for k in SUMMARY_CSV_FIELDS[2:])])
+        goodput = summary.get("goodput", {})
+        rows = [(k, summary.get(k)) for k in scalars]
+        rows += [("goodput_share", goodput.get("share")), ("goodput_req_s", goodput.get("req_s"))]
+        for key, value in rows:
+            w.writerow([key, "", _f(value) if isinstance(value, float) else value, "", "", "", ""])
+    return path
+
+
 def _f(x) -> str:
     return "" if x is None else f"{x:.6f}"
 

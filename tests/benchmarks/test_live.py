@@ -18,7 +18,7 @@ def test_harness_live_run(tmp_path):
            "--stack-log-dir", str(tmp_path / "logs")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("live.json", "live.csv", "live-cdf.png", "live-load.png"):
+    for name in ("live.json", "live.csv", "live-summary.csv", "live-cdf.png", "live-load.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     result = json.loads((tmp_path / "live.json").read_text())
     s = result["summary"]

@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks.common import percentile
 from benchmarks.harness.loadgen import Result
-from benchmarks.harness.metrics import SLO, aggregate, inflight_timeline, meets_slo, write_csv
+from benchmarks.harness.metrics import SLO, aggregate, inflight_timeline, meets_slo, write_csv, write_summary_csv
 
 
 def make(i, sent, first, gaps, replica="r0", out=None, error=""):
@@ -67,3 +67,20 @@ def test_csv_and_timeline(tmp_path):
     assert series["r0"][7] == 2 and series["r1"][7] == 1
     assert series["r0"][1] == 0 and series["r1"][4] == 0
     assert max(series["r0"]) == 2 and max(series["r1"]) == 1
+
+
+def test_summary_csv_has_every_distribution_and_rate(tmp_path):
+    rs = [make(0, 0.0, 0.2, [0.1] * 8, "r0"), make(1, 0.5, 0.6, [0.1] * 2, "r1"),
+          make(2, 0.5, 0.7, [0.3] * 2, "r0", error="boom")]
+    s = aggregate(rs, 2.0, SLO())
+    rows = {r["metric"]: r for r in csv.DictReader(open(write_summary_csv(tmp_path / "s.csv", s)))}
+    for name in ("ttft_s", "tbt_s", "e2e_s", "e2e_per_output_token_s", "server_queue_s",
+                 "server_scheduling_delay_s", "server_ttft_s", "server_e2e_s"):
+        assert name in rows, name
+    assert int(rows["ttft_s"]["n"]) == 2
+    assert float(rows["ttft_s"]["p50"]) == pytest.approx(s["ttft_s"]["p50"])
+    assert float(rows["tbt_s"]["p99"]) == pytest.approx(s["tbt_s"]["p99"])
+    assert rows["errors"]["mean"] == "1" and rows["finished"]["mean"] == "2"
+    assert float(rows["throughput_req_s"]["mean"]) == pytest.approx(s["throughput_req_s"])
+    assert float(rows["goodput_share"]["mean"]) == pytest.approx(s["goodput"]["share"])
+
