@@ -28,7 +28,7 @@ import torch
 from replica_worker.engine.attention import AttentionMetadata, build_attention_metadata, select_backend
 from replica_worker.engine.config import EngineConfig
 from replica_worker.engine.kv_cache import KVCache, bytes_per_block, determine_num_blocks
-from replica_worker.engine.model import DTYPES, get_model, load_hf_config
+from replica_worker.engine.model import DTYPES, get_model, load_hf_config, sliding_window_of
 from replica_worker.engine.sampler import Sampler, SamplingRow
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.sequence import Sequence
@@ -90,9 +90,10 @@ class ModelRunner:
         n_heads = self.hf_config.num_attention_heads
         head_dim = getattr(self.hf_config, "head_dim", None) or self.hf_config.hidden_size // n_heads
         n_kv = getattr(self.hf_config, "num_key_value_heads", None) or n_heads
-        backend_cls = select_backend(self.device, self.dtype, head_dim)
+        self.sliding_window = sliding_window_of(self.hf_config, self.max_model_len)
+        backend_cls = select_backend(self.device, self.dtype, head_dim, self.sliding_window)
         extra = {"dtype": self.dtype, "device": self.device} if backend_cls.name == "flashinfer" else {}
-        self.backend = backend_cls(n_heads, n_kv, head_dim, **extra)
+        self.backend = backend_cls(n_heads, n_kv, head_dim, sliding_window=self.sliding_window, **extra)
         self.model = get_model(mc, self.backend, self.device, self.max_model_len, self.hf_config)
         self._sync()
         t1 = time.perf_counter()

@@ -3,10 +3,10 @@ replica scheduler, with prompts chunked over many steps and caches small
 enough to force preemption by recompute."""
 
 import pytest
-import torch
 
 from replica_worker import LLM, SamplingParams
 from replica_worker.engine.config import SCHEDULER_NAMES
+from tests.engine.hf_reference import hf_greedy
 
 MAX_NEW = 24
 # Mixed lengths: short, medium, and one long enough to be chunked many times.
@@ -25,16 +25,7 @@ def arch_model(request, tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def reference(arch_model):
-    from transformers import AutoModelForCausalLM
-
-    _, path = arch_model
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    refs = []
-    for prompt in PROMPTS:
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-        refs.append(out[0, len(prompt):].tolist())
-    return refs
+    return hf_greedy(arch_model[1], PROMPTS, MAX_NEW)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -22,13 +22,20 @@ class AttentionBackend(abc.ABC):
     name: str = "abstract"
     supports_cuda_graphs: bool = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, not {sliding_window}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
+        # None: full causal attention. W: a query at position p sees keys at p-W+1 .. p.
+        self.sliding_window = sliding_window
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Once per step, before the first layer: precompute whatever every layer
@@ -42,7 +49,8 @@ class AttentionBackend(abc.ABC):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """q [T, num_heads, head_dim] against each sequence's cached context
         (which already holds this step's k, v); returns [T, num_heads, head_dim].
-        A query at position p sees keys at positions <= p of its own sequence."""
+        A query at position p sees keys at positions <= p of its own sequence,
+        and with a sliding window W only those > p - W."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         self.write_kv(kv_cache, k, v, metadata)
@@ -50,11 +58,13 @@ class AttentionBackend(abc.ABC):
 
 
 def select_backend(
-    device: torch.device | str, dtype: torch.dtype | None = None, head_dim: int | None = None
+    device: torch.device | str, dtype: torch.dtype | None = None, head_dim: int | None = None,
+    sliding_window: int | None = None,
 ) -> type[AttentionBackend]:
     """The backend class for a device: flashinfer on CUDA when it can serve the
-    model (fp16/bf16, head_dim 64/128/256, importable), else plain torch, with a
-    warning on CUDA. QUADRIGA_ATTENTION_BACKEND=torch|flashinfer forces one."""
+    model (fp16/bf16, head_dim 64/128/256, full attention, importable), else
+    plain torch, with a warning on CUDA. QUADRIGA_ATTENTION_BACKEND=torch|flashinfer
+    forces one."""
     from replica_worker.engine.attention.torch_backend import TorchAttentionBackend
 
     forced = os.environ.get("QUADRIGA_ATTENTION_BACKEND", "").strip().lower()
@@ -62,7 +72,7 @@ def select_backend(
         return TorchAttentionBackend
     from replica_worker.engine.attention import flashinfer_backend as fb
 
-    reason = fb.flashinfer_supports(dtype, head_dim)
+    reason = fb.flashinfer_supports(dtype, head_dim, sliding_window)
     if reason is None:
         return fb.FlashInferBackend
     if forced == "flashinfer":

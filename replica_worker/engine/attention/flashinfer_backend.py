@@ -41,8 +41,15 @@ def flashinfer_importable() -> bool:
     return True
 
 
-def flashinfer_supports(dtype: torch.dtype | None, head_dim: int | None) -> str | None:
+def flashinfer_supports(
+    dtype: torch.dtype | None, head_dim: int | None, sliding_window: int | None = None
+) -> str | None:
     """None when flashinfer can serve this model, else the reason it cannot."""
+    if sliding_window is not None:
+        # flashinfer has window_left, but this backend has not been checked with it
+        # on a GPU; the torch backend serves windowed models, checked against transformers.
+        return (f"sliding-window attention ({sliding_window} tokens) is served by the torch backend; "
+                "a max_model_len at most the window keeps flashinfer")
     if dtype is not None and dtype not in SUPPORTED_DTYPES:
         return f"flashinfer has no {dtype} kernels (float16/bfloat16 only)"
     if head_dim is not None and head_dim not in SUPPORTED_HEAD_DIMS:
@@ -71,12 +78,13 @@ class FlashInferBackend(AttentionBackend):
         num_kv_heads: int,
         head_dim: int,
         scale: float | None = None,
+        sliding_window: int | None = None,
         *,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cuda",
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        reason = flashinfer_supports(dtype, head_dim)
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        reason = flashinfer_supports(dtype, head_dim, self.sliding_window)
         if reason:
             raise ValueError(reason)
         import flashinfer

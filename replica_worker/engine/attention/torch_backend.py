@@ -2,7 +2,8 @@
 
 Prefill chunks run one scaled_dot_product_attention each against their
 gathered context; all decodes run as one padded, masked batch. Every index
-tensor and mask is built once per step in prepare(), not per layer.
+tensor and mask is built once per step in prepare(), not per layer. A sliding
+window only narrows the masks: the cache keeps every position.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class _PrefillPlan:
     q_start: int
     q_end: int
     # None when the chunk is the whole context (num_computed == 0): attend to
-    # the new k, v directly with is_causal.
+    # the new k, v directly (is_causal, or `mask` under a sliding window).
     ctx_block: torch.Tensor | None  # [L] physical block of each context position
     ctx_offset: torch.Tensor | None  # [L]
     mask: torch.Tensor | None  # [Q, L] bool, True = attend
@@ -51,19 +52,23 @@ class TorchAttentionBackend(AttentionBackend):
         qsl = md.query_start_loc_host.tolist()
         nc = md.num_computed_host.tolist()
         lens = md.seq_lens_host.tolist()
+        window = self.sliding_window
         prefills = []
         for i in range(md.num_prefills):
-            if nc[i] == 0:
+            windowed = window is not None and lens[i] > window
+            if nc[i] == 0 and not windowed:
                 prefills.append(_PrefillPlan(qsl[i], qsl[i + 1], None, None, None))
                 continue
             pos = torch.arange(lens[i], device=device)
             q_pos = torch.arange(nc[i], lens[i], device=device)
+            mask = pos[None, :] <= q_pos[:, None]
+            if windowed:
+                mask &= pos[None, :] > q_pos[:, None] - window
+            if nc[i] == 0:  # the chunk is its whole context: no gather
+                prefills.append(_PrefillPlan(qsl[i], qsl[i + 1], None, None, mask))
+                continue
             prefills.append(
-                _PrefillPlan(
-                    qsl[i], qsl[i + 1],
-                    md.block_tables[i, pos // bs].long(), pos % bs,
-                    pos[None, :] <= q_pos[:, None],
-                )
+                _PrefillPlan(qsl[i], qsl[i + 1], md.block_tables[i, pos // bs].long(), pos % bs, mask)
             )
         dec_block = dec_offset = dec_mask = None
         if md.num_decodes:
@@ -71,7 +76,11 @@ class TorchAttentionBackend(AttentionBackend):
             pos = torch.arange(lmax, device=device)
             dec_block = md.block_tables[md.num_prefills:, pos // bs].long()
             dec_offset = pos % bs
-            dec_mask = (pos[None, :] < md.seq_lens[md.num_prefills:, None])[:, None, None, :]
+            dec_lens = md.seq_lens[md.num_prefills:, None]
+            visible = pos[None, :] < dec_lens
+            if window is not None:
+                visible &= pos[None, :] >= dec_lens - window
+            dec_mask = visible[:, None, None, :]
         md.backend_data = _TorchPlan(
             md.slot_mapping // bs, md.slot_mapping % bs, prefills, dec_block, dec_offset, dec_mask
         )
@@ -102,7 +111,8 @@ class TorchAttentionBackend(AttentionBackend):
             if p.ctx_block is None:
                 ki = k[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)
                 vi = v[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=p.mask, is_causal=p.mask is None,
+                                                   scale=self.scale, enable_gqa=True)
             else:
                 ctx = kv_cache[p.ctx_block, :, p.ctx_offset]  # [L, 2, Hkv, D]
                 ki = ctx[:, 0].transpose(0, 1).unsqueeze(0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import re
 from pathlib import Path
 
@@ -19,8 +18,6 @@ import torch
 from replica_worker.engine.attention import AttentionBackend
 from replica_worker.engine.config import ModelConfig
 from replica_worker.engine.model.llama import LlamaForCausalLM
-
-logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,6 +28,24 @@ def load_hf_config(model_dir: str | Path):
     import transformers
 
     return transformers.AutoConfig.from_pretrained(str(model_dir))
+
+
+def sliding_window_of(hf_config, max_positions: int) -> int | None:
+    """The attention window of every layer (a query at position p sees keys at
+    positions > p - window, as transformers masks them), or None where attention
+    is full over max_positions. Raises ValueError for windows on some layers only."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or not getattr(hf_config, "use_sliding_window", True):
+        return None
+    layer_types = set(getattr(hf_config, "layer_types", None) or ["sliding_attention"])
+    if layer_types == {"full_attention"}:
+        return None
+    if layer_types != {"sliding_attention"}:
+        raise ValueError(
+            f"the model mixes attention kinds across layers ({sorted(layer_types)}); "
+            "only a sliding window on every layer is supported"
+        )
+    return int(window) if max_positions > window else None
 
 
 @contextlib.contextmanager
@@ -53,12 +68,6 @@ def get_model(
 ) -> LlamaForCausalLM:
     device = torch.device(device)
     hf_config = hf_config or load_hf_config(model_config.model)
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and max_positions > window:
-        logger.warning(
-            "%s declares sliding_window=%d; attention here is full, so outputs past %d tokens differ",
-            model_config.model, window, window,
-        )
     with model_context(DTYPES[model_config.dtype], device):
         model = LlamaForCausalLM(hf_config, backend, max_positions)
     if model_config.load_format == "dummy":

@@ -1,0 +1,15 @@
+"""transformers' greedy generation: the reference the engine is checked against."""
+
+import torch
+import transformers
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new: int, **config_overrides) -> list[list[int]]:
+    """Each prompt's greedy continuation (float32, no EOS stop), the prompt cut off."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **config_overrides)
+    outs = []
+    for prompt in prompts:
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+        outs.append(out[0, len(prompt):].tolist())
+    return outs
