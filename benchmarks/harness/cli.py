@@ -1,10 +1,11 @@
-"""python -m benchmarks {run,capacity,compare,roofline,model-dir} ...
+"""python -m benchmarks {run,capacity,compare,roofline,model-dir,plot-capacity} ...
 
 run       one load run against --router HOST:PORT or a stack it starts (--start-stack)
 capacity  highest Poisson rate within p99 TBT SLO and p50 scheduling delay <= 2 s
 compare   policies x loads (fractions of a capacity, or absolute rates), CDFs overlaid
 roofline  hardware limit of a model shape and workload
 model-dir write a config-only model folder of a known shape (dummy weights on the replica)
+plot-capacity  capacity searches' JSONs overlaid in one PNG, probe by probe
 """
 
 from __future__ import annotations
@@ -129,6 +130,10 @@ def parse_args(argv=None):
     d = sub.add_parser("model-dir", help="config-only model folder of a known shape")
     d.add_argument("out")
     d.add_argument("--shape", default="llama-3.1-8b", choices=("llama-3.1-8b",))
+    k = sub.add_parser("plot-capacity", help="capacity searches' JSONs overlaid in one PNG")
+    k.add_argument("results", nargs="+", help="capacity JSONs; LABEL=PATH names a line (default: the file name)")
+    k.add_argument("--out", required=True, help="the PNG to write")
+    k.add_argument("--title", default="")
     return p.parse_args(argv)
 
 
@@ -353,9 +358,13 @@ def cmd_capacity(a) -> int:
     spec, slo = spec_from(a, model), slo_from(a)
     out_dir = Path(a.out_dir)
 
+    summary_dir = Path(a.summary_dir or out_dir)
+
     def save(result: dict) -> None:
-        write_json(Path(a.summary_dir or out_dir) / f"{a.name}.json",
+        write_json(summary_dir / f"{a.name}.json",
                    {"kind": "capacity", "target": target_desc(a, a.policy), "workload": spec.describe(), **result})
+        plots.capacity_plot(summary_dir / f"{a.name}-capacity.png", {a.name: result}, slo.tbt_s,
+                            title=f"capacity search: {a.name}")
 
     with Target(a, model=model) as t:
         result = find_capacity(a, t, model, spec, slo, out_dir, on_probe=save)
@@ -470,7 +479,23 @@ def cmd_model_dir(a) -> int:
     return 0
 
 
+def cmd_plot_capacity(a) -> int:
+    searches, slos = {}, set()
+    for item in a.results:
+        label, _, path = item.rpartition("=") if "=" in item else ("", "", item)
+        result = json.loads(Path(path).read_text())
+        if "probes" not in result:
+            raise SystemExit(f"{path} is not a capacity search result (no probes)")
+        searches[label or Path(path).stem] = result
+        slos.add(result.get("rule", {}).get("tbt_p99_s", 0.1))
+    if len(slos) > 1:
+        raise SystemExit(f"the searches used different TBT SLOs {sorted(slos)}; plot them apart")
+    print(plots.capacity_plot(Path(a.out), searches, slos.pop(), title=a.title))
+    return 0
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     return {"run": cmd_run, "capacity": cmd_capacity, "compare": cmd_compare,
-            "roofline": cmd_roofline, "model-dir": cmd_model_dir}[a.cmd](a)
+            "roofline": cmd_roofline, "model-dir": cmd_model_dir,
+            "plot-capacity": cmd_plot_capacity}[a.cmd](a)

@@ -1,4 +1,5 @@
-"""PNG plots (Agg): latency CDFs with several runs overlaid, per-replica load over time."""
+"""PNG plots (Agg): latency CDFs with several runs overlaid, per-replica load over time,
+capacity searches probe by probe."""
 
 from __future__ import annotations
 
@@ -92,6 +93,51 @@ def bar_plot(path: Path, rows: list[tuple[str, dict[str, float]]], ylabel: str, 
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def capacity_plot(path: Path, searches: dict[str, dict], tbt_slo: float, keep_up: float = 0.9,
+                  title: str = "") -> Path:
+    """searches: label -> a capacity result (its "probes" and "capacity_req_s"), one colour each.
+    Left: every probe's p99 time between tokens against its rate, the SLO dashed. Right: the
+    share of the offered rate it admitted (first tokens over the arrival window), the keep-up
+    line dashed. Filled markers passed, hollow ones failed; a dotted line marks each capacity."""
+    rows = -(-len(searches) // 3)  # legend rows under the panels
+    fig, (tbt_ax, adm_ax) = plt.subplots(1, 2, figsize=(10, 3.8 + 0.2 * rows))
+    panels = ((tbt_ax, lambda s: s["tbt_s"]["p99"]),
+              (adm_ax, lambda s: (s["admitted_req_s"] / s["offered_req_s"]
+                                  if s.get("admitted_req_s") and s.get("offered_req_s") else None)))
+    for i, (label, result) in enumerate(searches.items()):
+        color = f"C{i % 10}"
+        probes = sorted(result.get("probes", []), key=lambda p: p["rate"])
+        capacity = result.get("capacity_req_s")
+        name = f"{label}: {capacity:.3g} req/s" if capacity else f"{label}: none passed"
+        for ax, value in panels:
+            points = [(p["rate"], value(p["summary"]), p["passed"]) for p in probes]
+            points = [pt for pt in points if pt[1] is not None]
+            ax.plot([x for x, _, _ in points], [y for _, y, _ in points], "-", color=color, alpha=0.5,
+                    label=name if ax is tbt_ax else None)
+            for x, y, passed in points:
+                ax.plot(x, y, "o", color=color, markerfacecolor=color if passed else "white")
+            if capacity:
+                ax.axvline(capacity, color=color, linestyle=":", alpha=0.7)
+    handles, labels = tbt_ax.get_legend_handles_labels()
+    tbt_ax.axhline(tbt_slo, color="black", linestyle="--", linewidth=1)
+    tbt_ax.set_ylabel("p99 time between tokens (s)")
+    tbt_ax.set_title(f"token gaps (SLO {tbt_slo * 1000:.0f} ms dashed)", fontsize=9)
+    adm_ax.axhline(keep_up, color="black", linestyle="--", linewidth=1)
+    adm_ax.set_ylabel("admitted / offered")
+    adm_ax.set_title(f"keeping up over the arrival window ({keep_up:.0%} dashed)", fontsize=9)
+    for ax in (tbt_ax, adm_ax):
+        ax.set_xlabel("offered rate (req/s)")
+        ax.grid(alpha=0.3)
+    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)) or 1, fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.045 * rows + 0.02, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path

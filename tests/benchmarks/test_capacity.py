@@ -68,3 +68,34 @@ def test_arrival_window_rates():
     offered, admitted = arrival_window_rates(rs)
     assert offered == pytest.approx(1.0) and admitted == pytest.approx(10 / 11)
     assert arrival_window_rates(rs[:1]) == (None, None)
+
+
+def _search_result(capacity, rates, slo=0.1):
+    probes = [{"rate": r, "passed": r <= capacity,
+               "summary": {"tbt_s": {"p99": slo * r / capacity}, "offered_req_s": r,
+                           "admitted_req_s": r if r <= capacity else capacity}} for r in rates]
+    return {"kind": "capacity", "capacity_req_s": capacity, "rule": {"tbt_p99_s": slo}, "probes": probes}
+
+
+def test_plot_capacity_overlays_searches(tmp_path):
+    import json
+
+    import matplotlib.image
+
+    from benchmarks.harness.cli import main
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_search_result(4.0, [2, 4, 8, 6])))
+    b.write_text(json.dumps(_search_result(9.0, [6, 9, 12])))
+    out = tmp_path / "both.png"
+    assert main(["plot-capacity", f"sarathi={a}", str(b), "--out", str(out)]) == 0
+    assert matplotlib.image.imread(out).shape[1] > 500
+
+    other_slo = tmp_path / "c.json"
+    other_slo.write_text(json.dumps(_search_result(5.0, [5], slo=0.05)))
+    with pytest.raises(SystemExit, match="different TBT SLOs"):
+        main(["plot-capacity", str(a), str(other_slo), "--out", str(out)])
+    not_a_search = tmp_path / "run.json"
+    not_a_search.write_text(json.dumps({"kind": "run", "summary": {}}))
+    with pytest.raises(SystemExit, match="not a capacity search"):
+        main(["plot-capacity", str(not_a_search), "--out", str(out)])

@@ -60,3 +60,4 @@ def test_harness_live_capacity_search(tmp_path):
     assert result["complete"] is True and len(result["probes"]) == 2
     assert result["probes"][0]["passed"] and result["capacity_req_s"] >= 2
     assert all(p["summary"]["offered_req_s"] and p["summary"]["admitted_req_s"] for p in result["probes"])
+    assert (tmp_path / "capacity-capacity.png").stat().st_size > 0
