@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from typing import Callable
 
+# A probe keeps up when it admits at least this share of the offered rate.
+KEEP_UP = 0.9
+
 
 def probe_passes(summary: dict, tbt_slo_s: float, sched_delay_p50_s: float = 2.0,
-                 offered_rate: float | None = None, keep_up: float = 0.9) -> tuple[bool, str]:
+                 offered_rate: float | None = None, keep_up: float = KEEP_UP) -> tuple[bool, str]:
     """The pass rule on an aggregate from metrics.aggregate.
 
     A short probe of an overloaded system can end before its queue makes the

@@ -331,6 +331,7 @@ def find_capacity(a, target: Target, model, spec: WorkloadSpec, slo: M.SLO, out_
                   num_requests: int | None = None, on_probe=None) -> dict:
     """on_probe(partial result) after every probe: a search cut short still leaves its probes."""
     probes = []
+    rule = {"tbt_p99_s": slo.tbt_s, "sched_delay_p50_s": slo.sched_delay_p50_s, "keep_up": cap.KEEP_UP}
 
     def probe(rate: float) -> bool:
         sp = WorkloadSpec(**{**spec.describe(), "num_requests": num_requests or spec.num_requests})
@@ -342,29 +343,27 @@ def find_capacity(a, target: Target, model, spec: WorkloadSpec, slo: M.SLO, out_
         probes.append({"rate": rate, "passed": ok, "why": why, "summary": summary})
         if on_probe:
             passed = [p["rate"] for p in probes if p["passed"]]
-            on_probe({"capacity_req_s": max(passed, default=None), "complete": False, "probes": probes})
+            on_probe({"capacity_req_s": max(passed, default=None), "complete": False, "rule": rule,
+                      "probes": probes})
         return ok
 
     best, history = cap.search(probe, a.initial_rate, max_probes=a.max_probes, rel_tol=a.rel_tol,
                                growth=a.growth)
     log(f"capacity: {best} req/s after {len(history)} probes")
-    return {"capacity_req_s": best, "complete": True,
-            "rule": {"tbt_p99_s": slo.tbt_s, "sched_delay_p50_s": slo.sched_delay_p50_s, "keep_up": 0.9},
-            "history": history, "probes": probes}
+    return {"capacity_req_s": best, "complete": True, "rule": rule, "history": history, "probes": probes}
 
 
 def cmd_capacity(a) -> int:
     model = resolve_model(a)
     spec, slo = spec_from(a, model), slo_from(a)
     out_dir = Path(a.out_dir)
-
     summary_dir = Path(a.summary_dir or out_dir)
 
     def save(result: dict) -> None:
         write_json(summary_dir / f"{a.name}.json",
                    {"kind": "capacity", "target": target_desc(a, a.policy), "workload": spec.describe(), **result})
         plots.capacity_plot(summary_dir / f"{a.name}-capacity.png", {a.name: result}, slo.tbt_s,
-                            title=f"capacity search: {a.name}")
+                            cap.KEEP_UP, title=f"capacity search: {a.name}")
 
     with Target(a, model=model) as t:
         result = find_capacity(a, t, model, spec, slo, out_dir, on_probe=save)
@@ -484,13 +483,14 @@ def cmd_plot_capacity(a) -> int:
     for item in a.results:
         label, _, path = item.rpartition("=") if "=" in item else ("", "", item)
         result = json.loads(Path(path).read_text())
-        if "probes" not in result:
-            raise SystemExit(f"{path} is not a capacity search result (no probes)")
+        if "probes" not in result or "rule" not in result:
+            raise SystemExit(f"{path} is not a capacity search result (no probes or no rule)")
         searches[label or Path(path).stem] = result
-        slos.add(result.get("rule", {}).get("tbt_p99_s", 0.1))
+        slos.add((result["rule"]["tbt_p99_s"], result["rule"].get("keep_up", cap.KEEP_UP)))
     if len(slos) > 1:
-        raise SystemExit(f"the searches used different TBT SLOs {sorted(slos)}; plot them apart")
-    print(plots.capacity_plot(Path(a.out), searches, slos.pop(), title=a.title))
+        raise SystemExit(f"the searches used different rules (TBT SLO, keep-up) {sorted(slos)}; plot them apart")
+    tbt_slo, keep_up = slos.pop()
+    print(plots.capacity_plot(Path(a.out), searches, tbt_slo, keep_up, title=a.title))
     return 0
 
 

@@ -98,7 +98,7 @@ def bar_plot(path: Path, rows: list[tuple[str, dict[str, float]]], ylabel: str, 
     return path
 
 
-def capacity_plot(path: Path, searches: dict[str, dict], tbt_slo: float, keep_up: float = 0.9,
+def capacity_plot(path: Path, searches: dict[str, dict], tbt_slo: float, keep_up: float,
                   title: str = "") -> Path:
     """searches: label -> a capacity result (its "probes" and "capacity_req_s"), one colour each.
     Left: every probe's p99 time between tokens against its rate, the SLO dashed. Right: the

@@ -93,9 +93,13 @@ def test_plot_capacity_overlays_searches(tmp_path):
 
     other_slo = tmp_path / "c.json"
     other_slo.write_text(json.dumps(_search_result(5.0, [5], slo=0.05)))
-    with pytest.raises(SystemExit, match="different TBT SLOs"):
+    with pytest.raises(SystemExit, match="different rules"):
         main(["plot-capacity", str(a), str(other_slo), "--out", str(out)])
     not_a_search = tmp_path / "run.json"
     not_a_search.write_text(json.dumps({"kind": "run", "summary": {}}))
     with pytest.raises(SystemExit, match="not a capacity search"):
         main(["plot-capacity", str(not_a_search), "--out", str(out)])
+    no_rule = tmp_path / "old.json"
+    no_rule.write_text(json.dumps({k: v for k, v in _search_result(4.0, [4]).items() if k != "rule"}))
+    with pytest.raises(SystemExit, match="no rule"):
+        main(["plot-capacity", str(no_rule), "--out", str(out)])
