@@ -490,8 +490,25 @@ def cmd_plot_capacity(a) -> int:
     if len(slos) > 1:
         raise SystemExit(f"the searches used different rules (TBT SLO, keep-up) {sorted(slos)}; plot them apart")
     tbt_slo, keep_up = slos.pop()
+    for label, result in searches.items():
+        print(f"{label}: capacity {result['capacity_req_s']} req/s")
+        for p in sorted(result["probes"], key=lambda p: p["rate"]):
+            print("  " + probe_row(p))
     print(plots.capacity_plot(Path(a.out), searches, tbt_slo, keep_up, title=a.title))
     return 0
+
+
+def probe_row(probe: dict) -> str:
+    """One probe in a line. In flight is Little's law over the arrival window: the
+    admitted rate times the mean time a request stays (the router's e2e), i.e. how
+    many requests the replicas held on average, to set against their seats."""
+    s = probe["summary"]
+    admitted, offered, e2e = s.get("admitted_req_s"), s.get("offered_req_s"), s["server_e2e_s"]["mean"]
+    in_flight = f"{admitted * e2e:.0f}" if admitted and e2e else "-"
+    share = f"{admitted / offered:.2f}" if admitted and offered else "-"
+    return (f"{probe['rate']:7.3f} req/s {'pass' if probe['passed'] else 'FAIL'}  "
+            f"p99 TBT {s['tbt_s']['p99'] * 1000:5.1f} ms  admitted/offered {share}  "
+            f"mean e2e {e2e or 0:5.1f} s  in flight {in_flight}")
 
 
 def main(argv=None) -> int:

@@ -73,11 +73,12 @@ def test_arrival_window_rates():
 def _search_result(capacity, rates, slo=0.1):
     probes = [{"rate": r, "passed": r <= capacity,
                "summary": {"tbt_s": {"p99": slo * r / capacity}, "offered_req_s": r,
-                           "admitted_req_s": r if r <= capacity else capacity}} for r in rates]
+                           "admitted_req_s": r if r <= capacity else capacity,
+                           "server_e2e_s": {"mean": 10.0}}} for r in rates]
     return {"kind": "capacity", "capacity_req_s": capacity, "rule": {"tbt_p99_s": slo}, "probes": probes}
 
 
-def test_plot_capacity_overlays_searches(tmp_path):
+def test_plot_capacity_overlays_searches(tmp_path, capsys):
     import json
 
     import matplotlib.image
@@ -90,6 +91,10 @@ def test_plot_capacity_overlays_searches(tmp_path):
     out = tmp_path / "both.png"
     assert main(["plot-capacity", f"sarathi={a}", str(b), "--out", str(out)]) == 0
     assert matplotlib.image.imread(out).shape[1] > 500
+    printed = capsys.readouterr().out
+    assert "sarathi: capacity 4.0 req/s" in printed and "b: capacity 9.0 req/s" in printed
+    # Little's law: 8 req/s offered, 4 admitted, 10 s each -> 40 in flight.
+    assert "  8.000 req/s FAIL" in printed and "admitted/offered 0.50" in printed and "in flight 40" in printed
 
     other_slo = tmp_path / "c.json"
     other_slo.write_text(json.dumps(_search_result(5.0, [5], slo=0.05)))
