@@ -64,7 +64,7 @@ class Dispatcher:
     async def _serve(self, session: "ReplicaSession", queue: str) -> bool:
         core = self.core
         now = time.time()
-        tokens = 0 if session.pull_unlimited_tokens else session.pull_tokens
+        tokens = None if session.pull_unlimited_tokens else session.pull_tokens
         try:
             ids = await core.store.pop(queue, session.id, session.pull_requests, tokens,
                                        now + core.config.lease_ttl, now)

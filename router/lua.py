@@ -35,7 +35,7 @@ return out
 """
 
 # Atomic peek-check-pop. KEYS: queue zset, inflight zset.
-# ARGV: prefix, replica, max_requests, max_prompt_tokens (0: no limit), lease expiry, now
+# ARGV: prefix, replica, max_requests, max_prompt_tokens (-1: no limit), lease expiry, now
 # Takes from the head while token credit is left (head-of-line: arrival order
 # holds). The last request taken may overrun the credit: a replica grants tokens
 # for the prefill it can start soon, and a prompt longer than that must still
@@ -43,7 +43,7 @@ return out
 POP = """
 local prefix, replica = ARGV[1], ARGV[2]
 local n, budget = tonumber(ARGV[3]), tonumber(ARGV[4])
-local limited = budget > 0
+local limited = budget >= 0
 local taken = {}
 if n <= 0 then return taken end
 local heads = redis.call('ZRANGE', KEYS[1], 0, n - 1)

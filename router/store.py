@@ -160,11 +160,13 @@ class Store:
                 out.append((False, res[i + 1].decode(), res[i + 2].decode()))
         return out
 
-    async def pop(self, queue: str, replica: str, max_requests: int, max_prompt_tokens: int,
+    async def pop(self, queue: str, replica: str, max_requests: int, max_prompt_tokens: int | None,
                   lease_expiry: float, now: float) -> list[str]:
+        """Takes from the head while token credit is left (None: no token limit; see lua.POP)."""
         self.round_trips += 1
+        tokens = -1 if max_prompt_tokens is None else max(0, max_prompt_tokens)
         res = await self._pop([self.queue_key(queue), self.inflight_key, self.prefix, replica,
-                               max_requests, max_prompt_tokens, repr(lease_expiry), repr(now)], numkeys=2)
+                               max_requests, tokens, repr(lease_expiry), repr(now)], numkeys=2)
         return [r.decode() for r in res]
 
     async def requeue(self, items: list[tuple[str, str]], owner: str = "") -> list[bool]:

@@ -172,6 +172,21 @@ def test_concurrent_pulls_never_share_a_request(redis_url, tiny_model, arun):
     arun(scenario())
 
 
+def test_lua_pop_takes_while_token_credit_is_left(redis_url, arun):
+    """No credit takes nothing (0 is not "no limit"); the last one taken may overrun."""
+
+    async def scenario():
+        store = Store(redis_url, "credit:", 60)
+        for i, prompt_len in enumerate([4, 6, 1]):
+            await store.submit(f"c{i}", "d", b"", prompt_len, 1, 0, 1000.0 + i, 1, "pending")
+        assert await store.pop("pending", "rep", 3, 0, 2e9, 1.0) == []
+        assert await store.pop("pending", "rep", 3, 5, 2e9, 1.0) == ["c0", "c1"]  # 5 - 4 > 0, then 6 overruns
+        assert await store.pop("pending", "rep", 3, None, 2e9, 1.0) == ["c2"]
+        await store.close()
+
+    arun(scenario())
+
+
 def test_lua_pop_is_atomic_under_contention(redis_url, arun):
     """Many connections popping one queue at once: every request exactly once."""
 
@@ -183,7 +198,7 @@ def test_lua_pop_is_atomic_under_contention(redis_url, arun):
         async def popper(k):
             got = []
             while True:
-                ids = await stores[k].pop("pending", f"rep{k}", 3, 0, 2e9, 1.0)
+                ids = await stores[k].pop("pending", f"rep{k}", 3, None, 2e9, 1.0)
                 if not ids:
                     return got
                 got += ids
