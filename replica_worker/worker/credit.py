@@ -2,7 +2,8 @@
 
 Pull messages add credit (see replica.proto). The replica grants only the
 engine's admission capacity beyond what is still outstanding, so a grant
-and an assignment crossing on the wire never over-commit the engine.
+and an assignment crossing on the wire over-commit the engine by at most the
+one prompt a grant's last assignment may overrun.
 """
 
 from __future__ import annotations
