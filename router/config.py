@@ -33,11 +33,17 @@ class RouterConfig:
     stream_interval: int = 1           # used when a request asks for 0
     result_ttl: float = 300.0          # finished results stay in Redis this long
     register_timeout: float = 10.0
+    redis_timeout: float = 3.0         # deadline of every Redis round trip (then reconnect, retry)
+    submit_timeout: float = 5.0        # a new request waits this long to be stored, then UNAVAILABLE
+    max_pending_submits: int = 10_000  # submits waiting for Redis before new ones get UNAVAILABLE
+    stall_after: float = 0.5           # Redis slower than this: clients are served from memory
+    shutdown_timeout: float = 5.0      # on SIGTERM: time to make pending writes durable
+    max_requeues: int = 8              # a request moved this often between replicas fails
     tokenizer_threads: int = 2
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
-        from router.policies import POLICIES
+        from router.scheduling.policies import POLICIES
 
         problems = []
         if not self.model:
@@ -53,13 +59,18 @@ class RouterConfig:
         if self.queue_limit < 1:
             problems.append("queue_limit must be at least 1")
         for name in ("no_replica_timeout", "lease_ttl", "heartbeat_interval", "result_ttl",
-                     "register_timeout"):
+                     "register_timeout", "redis_timeout", "submit_timeout", "stall_after",
+                     "shutdown_timeout"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be positive")
         if self.heartbeat_interval >= self.lease_ttl:
             problems.append("heartbeat_interval must be shorter than lease_ttl")
         if not 1 <= self.stream_interval <= 4096:
             problems.append("stream_interval must lie in [1, 4096]")
+        if self.submit_timeout < self.redis_timeout:
+            problems.append("submit_timeout must be at least redis_timeout")
+        if self.max_pending_submits < 1 or self.max_requeues < 1:
+            problems.append("max_pending_submits and max_requeues must be at least 1")
         if self.tokenizer_threads < 1:
             problems.append("tokenizer_threads must be at least 1")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):

@@ -44,6 +44,10 @@ class Metrics:
                                        "GenerateResponse messages sent to clients", registry=r)
         self.redis_round_trips = Counter("quadriga_redis_round_trips_total",
                                          "Redis round trips", registry=r)
+        self.redis_pending = Gauge("quadriga_redis_pending_writes",
+                                   "Writes queued for Redis, not yet durable", registry=r)
+        self.redis_stalled = Gauge("quadriga_redis_stalled",
+                                   "1 while Redis is slower than the stall threshold", registry=r)
         self._last_round_trips = 0
         # labels() takes a lock and builds a key on every call: children are cached.
         self._inflight: dict[str, object] = {}
@@ -55,6 +59,11 @@ class Metrics:
         if child is None:
             child = self._inflight[replica_id] = self.inflight.labels(replica_id)
         return child
+
+    def forget_replica(self, replica_id: str) -> None:
+        """A replica left for good: its labelled series go too (bounded memory)."""
+        if self._inflight.pop(replica_id, None) is not None:
+            self.inflight.remove(replica_id)
 
     def finished_with(self, reason: int):
         child = self._finished.get(reason)

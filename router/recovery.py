@@ -1,24 +1,30 @@
-"""Startup recovery from Redis and the lease reaper.
+"""Startup recovery from Redis, and the reaper.
 
-At start every queued request is re-queued (to "pending", so per-replica
-policies re-place it once replicas join); every in-flight request keeps its
-lease until it expires, waiting for its owner to re-register and keep it
-(Register.held_request_ids). The reaper drops replicas that stay silent for
-lease_ttl, requeues orphans whose lease ran out, and renews the Redis leases
-of live replicas' requests (so a restarted router knows who is alive).
+At start every live request (Redis's `live` set) is loaded: a queued one goes
+to the shared queue (per-replica policies re-place it once replicas join); a
+running one becomes DETACHED with a fresh lease of lease_ttl, long enough for
+its replica to notice the new router and re-register holding it (then it
+runs on with nothing recomputed). Queue members and in-flight entries of no
+live request are removed.
+
+The reaper, every heartbeat interval: drops replicas silent for a whole lease
+(their work is requeued at once), requeues DETACHED requests whose lease ran
+out, and renews the Redis leases of live replicas' requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
 import grpc
 
-from common.pb.quadriga.v1 import replica_pb2 as rpb
-from router.policies import PENDING
-from router.requests import Phase, RequestState
+from router.persistence.store import unpack_tokens
+from router.requests.request import Phase, RequestState
+from router.requests.spec import RequestSpec, sampling_from_fields
+from router.scheduling.policies import PENDING
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +35,20 @@ def _f(rec: dict, key: str, default: float = 0.0) -> float:
 
 
 def state_from_record(rec: dict) -> RequestState:
-    assignment = rpb.Assignment.FromString(rec["a"])
-    req = RequestState(assignment, digest=rec.get("d", b"").decode(),
-                       max_tokens=int(_f(rec, "mt")), priority=int(_f(rec, "pr")),
-                       stream_interval=int(_f(rec, "si")), member=rec.get("m", b"").decode())
+    """A request as Redis records it."""
+    sampling = sampling_from_fields(json.loads(rec.get("sp", b"{}") or b"{}"))
+    spec = RequestSpec(request_id=rec["id"], sampling=sampling, priority=int(_f(rec, "pr")),
+                       stream_interval=int(_f(rec, "si")))
+    req = RequestState(spec, unpack_tokens(rec.get("p")), rid=rec["id"],
+                       digest=rec.get("d", b"").decode(), max_tokens=int(_f(rec, "mt")),
+                       arrival=_f(rec, "at"))
+    req.submit_token = rec.get("tok", b"").decode()
+    req.queue = rec.get("q", b"").decode()
     req.tokens = list(rec["tokens"])
-    req.parts = [rec["text"]] if rec["text"] else []
+    text = rec["text"].decode(errors="replace") if rec["text"] else ""
+    req.parts = [text] if text else []
+    req.text_bytes = len(rec["text"])
+    req.assignments = int(_f(rec, "n"))
     req.requeues = int(_f(rec, "rq"))
     req.assigned_at = _f(rec, "asg")
     req.first_scheduled_at = _f(rec, "fs")
@@ -43,42 +57,53 @@ def state_from_record(rec: dict) -> RequestState:
     req.preemptions = int(_f(rec, "pre"))
     req.replica_id = rec.get("rep", b"").decode()
     if rec.get("st") == b"f":
-        req.finish(int(_f(rec, "fr")), rec.get("err", b"").decode(), _f(rec, "fin"))
+        req.phase = Phase.FINISHED
+        req.finish_reason = int(_f(rec, "fr"))
+        req.error = rec.get("err", b"").decode()
+        req.finished_at = _f(rec, "fin")
+        req.visible_tokens, req.visible_parts = len(req.tokens), len(req.parts)
+        req.finish_visible = True
     return req
 
 
-async def recover(core) -> int:
+async def recover(table, store, writer, lease_ttl: float) -> int:
     """Loads every unfinished request from Redis; returns how many."""
-    queued, inflight = await core.store.live_ids()
-    ids = list(dict.fromkeys([*queued, *inflight]))
-    records = await core.store.load_requests(ids)
-    moves, leases, now = [], {}, time.time()
-    for rec in records:
+    ids = await store.live_ids()
+    records = await store.load_requests(ids)
+    now = time.time()
+    leases, moves = {}, []
+    for rid, rec in zip(ids, records):
         if rec is None or rec.get("st") == b"f":
             continue
         req = state_from_record(rec)
-        core.requests[req.id] = req
-        if req.id in inflight and rec.get("st") == b"r":
-            req.phase = Phase.RUNNING
-            deadline = inflight[req.id]
-            core.orphans[req.id] = (rec.get("o", b"").decode(), deadline)
-        else:
-            core.enqueue_local(req, PENDING)
-            if queued.get(req.id) != PENDING:
-                moves.append((req.id, PENDING))
-    await core.store.move(moves)
-    await core.store.renew_leases(leases)
-    expired = [rid for rid, (_, deadline) in core.orphans.items() if deadline <= now]
-    await core.requeue_orphans(expired)
-    log.info("recovered %d requests (%d in flight awaiting their replica)",
-             len(core.requests), len(core.orphans))
-    return len(core.requests)
+        state, owner = rec.get("st", b"").decode(), rec.get("o", b"").decode()
+        if state == "q" and req.queue != PENDING:
+            moves += [req.id, "", PENDING]
+            req.queue = PENDING
+        table.load_recovered(req, state, owner, now)
+        if req.phase is Phase.DETACHED:
+            leases[req.id] = req.lease_deadline
+    if moves:
+        writer.post(store.move(moves))
+    if leases:
+        writer.post(store.ensure_leases(leases))
+    strays = await store.stray_members()
+    if any(strays):
+        await store.remove_strays(*strays)
+    log.info("recovered %d requests (%d in flight awaiting their replica)", len(table.requests),
+             len(leases))
+    return len(table.requests)
 
 
 class Reaper:
-    def __init__(self, core, ops):
-        self.core = core
+    def __init__(self, table, ops, registry, writer, store, metrics, config):
+        self.table = table
         self.ops = ops
+        self.registry = registry
+        self.writer = writer
+        self.store = store
+        self.metrics = metrics
+        self.config = config
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -91,30 +116,26 @@ class Reaper:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.core.config.heartbeat_interval)
+            await asyncio.sleep(self.config.heartbeat_interval)
             try:
-                await self.tick()
-            except asyncio.CancelledError:
-                raise
+                self.tick()
             except Exception:
                 log.exception("reaper tick failed")
 
-    async def tick(self) -> None:
-        core, cfg = self.core, self.core.config
+    def tick(self) -> None:
+        cfg = self.config
         mono, now = time.monotonic(), time.time()
-        leases = {}
-        for session in list(core.registry.sessions.values()):
-            if mono - session.last_seen > cfg.lease_ttl:
-                log.warning("replica %s silent for %.1f s: dropping it", session.id,
-                            mono - session.last_seen)
+        for session in list(self.registry.sessions.values()):
+            silent = mono - session.last_seen
+            if silent > cfg.lease_ttl:
+                log.warning("replica %s silent for %.1f s: dropping it", session.id, silent)
                 session.close(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"no message for {cfg.lease_ttl:g} s (lease_ttl)")
-                await self.ops.leave(session, "lease_expired")
-                continue
-            for rid in session.owned:
-                leases[rid] = now + cfg.lease_ttl
-        await core.store.renew_leases(leases)
-        await core.resync()
-        expired = [rid for rid, (_, deadline) in core.orphans.items() if deadline <= now]
-        await core.requeue_orphans(expired)
-        core.metrics.sync_round_trips(core.store.round_trips)
+                self.ops.leave(session, True, "lease_expired")
+        leases = self.table.running_leases(self.registry.sessions, now)
+        if leases:
+            self.writer.post(self.store.renew_leases(leases))
+        for req in self.table.expired_detached(now):
+            self.ops.lease_lapsed(req)
+        self.metrics.sync_round_trips(self.writer.round_trips)
+        self.metrics.redis_pending.set(self.writer.pending)

@@ -1,10 +1,21 @@
 """Builds and runs the router: grpc.aio server with the client API, the replica
-gateway, health and reflection, plus the Prometheus HTTP endpoint."""
+gateway, health and reflection, plus the Prometheus HTTP endpoint.
+
+Wiring, top down (arrows run downwards only):
+  front ends, replica gateway ──▶ admission ──▶ request table ──▶ store + writer
+                             └──▶ replica ops ──▶ pull scheduler ──┘
+
+A graceful stop (SIGTERM, what every rollout sends) cancels nothing: new work
+is refused, assignment stops, replica streams end (replicas keep running and
+re-register with the next router), pending writes are made durable, and then
+client streams end with UNAVAILABLE; clients re-attach by request_id.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -12,14 +23,20 @@ from grpc_reflection.v1alpha import reflection
 
 from common.pb.quadriga.v1 import generation_pb2, generation_pb2_grpc, replica_pb2, replica_pb2_grpc
 from common.tokenizer import max_model_len, vocab_size
+from router.admission import Admission
 from router.auth import ApiKeyInterceptor, server_credentials
-from router.client_api import GenerationService
 from router.config import RouterConfig
-from router.core import RouterCore
+from router.frontends.grpc_api import GENERATE_METHOD, GenerationService
+from router.malformed import MalformedInterceptor
 from router.metrics import Metrics
+from router.persistence.store import Store
+from router.persistence.writer import RedisWriter
 from router.recovery import Reaper, recover
-from router.replica_gateway import ReplicaGateway
-from router.replica_ops import ReplicaOps
+from router.replicas.gateway import ReplicaGateway
+from router.replicas.ops import ReplicaOps
+from router.replicas.registry import Registry
+from router.requests.table import RequestTable
+from router.scheduling.pull import PullScheduler
 from router.validation import ModelLimits
 
 log = logging.getLogger(__name__)
@@ -28,6 +45,8 @@ SERVICE_NAMES = (
     generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
     replica_pb2.DESCRIPTOR.services_by_name["ReplicaGateway"].full_name,
 )
+SHUTDOWN_MESSAGE = ("the router is restarting; nothing was cancelled: call again with the same "
+                    "request_id to re-attach")
 
 
 class RouterApp:
@@ -36,42 +55,69 @@ class RouterApp:
     def __init__(self, config: RouterConfig):
         self.config = config
         self.metrics = Metrics()
-        limits = ModelLimits(max_model_len=max_model_len(config.model),
-                             vocab_size=vocab_size(config.model))
-        self.core = RouterCore(config, limits, self.metrics)
-        self.ops = ReplicaOps(self.core)
-        self.reaper = Reaper(self.core, self.ops)
+        self.limits = ModelLimits(max_model_len=max_model_len(config.model),
+                                  vocab_size=vocab_size(config.model))
+        self.store = Store(config.redis_url, config.redis_prefix, config.result_ttl,
+                           config.redis_timeout)
+        self.writer = RedisWriter(self.store.lean, max_pending_submits=config.max_pending_submits,
+                                  stall_after=config.stall_after, on_stall=self._on_stall)
+        self.table = RequestTable(self.store, self.writer, self.metrics, lease_ttl=config.lease_ttl,
+                                  max_requeues=config.max_requeues)
+        self.registry = Registry()
+        self.scheduler = PullScheduler(self.table, self.store, self.writer, config.policy,
+                                       config.lease_ttl)
+        self.ops = ReplicaOps(self.table, self.scheduler, self.registry, self.metrics,
+                              self.limits.vocab_size, config.lease_ttl)
+        self.admission = Admission(config, self.limits, self.table, self.scheduler, self.registry,
+                                   self.writer, self.store, self.metrics)
+        self.reaper = Reaper(self.table, self.ops, self.registry, self.writer, self.store,
+                             self.metrics, config)
+        self.table.on_queued = self.scheduler.kick
+        self.table.on_cancel_running = self._cancel_on_replica
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.metrics_http = None
 
+    def _cancel_on_replica(self, owner: str, rid: str) -> None:
+        session = self.registry.get(owner)
+        if session is not None:
+            session.send_cancel([rid])
+
+    def _on_stall(self, stalled: bool) -> None:
+        self.metrics.redis_stalled.set(1 if stalled else 0)
+        self.table.on_stall(stalled)
+
+    @property
+    def stopping(self) -> bool:
+        return self.admission.stopping
+
     async def start(self) -> int:
-        await self.core.start()
-        await recover(self.core)
+        await self.admission.start()
+        await self.store.ping()
+        self.writer.start()
+        await recover(self.table, self.store, self.writer, self.config.lease_ttl)
+        self.scheduler.start()
         keys = self.config.api_key_set
+        interceptors = [MalformedInterceptor(frozenset({GENERATE_METHOD}))]
+        if keys:
+            interceptors.insert(0, ApiKeyInterceptor(keys))
         self.server = grpc.aio.server(
-            interceptors=[ApiKeyInterceptor(keys)] if keys else None,
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.keepalive_time_ms", 20_000),
                 ("grpc.http2.max_pings_without_data", 0),
                 ("grpc.keepalive_permit_without_calls", 1),
             ])
-        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(self.core), self.server)
+        generation_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationService(self.admission, self.table, self.config, self.metrics), self.server)
         replica_pb2_grpc.add_ReplicaGatewayServicer_to_server(
-            ReplicaGateway(self.core, self.ops), self.server)
+            ReplicaGateway(self.ops, self.config, self.metrics, self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        address = f"{self.config.host}:{self.config.port}"
-        if self.config.tls_cert_file:
-            creds = server_credentials(self.config.tls_cert_file, self.config.tls_key_file)
-            self.port = self.server.add_secure_port(address, creds)
-        else:
-            self.port = self.server.add_insecure_port(address)
-        if self.port == 0:
-            raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
+        self.port = self._listen()
         await self.server.start()
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -84,16 +130,38 @@ class RouterApp:
                  f"{len(keys)} API keys" if keys else "no API keys")
         return self.port
 
+    def _listen(self) -> int:
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls_cert_file:
+            creds = server_credentials(self.config.tls_cert_file, self.config.tls_key_file)
+            port = self.server.add_secure_port(address, creds)
+        else:
+            port = self.server.add_insecure_port(address)
+        if port == 0:
+            raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
+        return port
+
     async def stop(self, grace: float = 1.0) -> None:
+        """The graceful stop described above; cancels no request."""
+        self.admission.stopping = True
         await self.health.enter_graceful_shutdown()
+        await self.scheduler.stop()
         await self.reaper.stop()
-        for session in list(self.core.registry.sessions.values()):
-            session.close(None)
+        for session in list(self.registry.sessions.values()):
+            session.close(grpc.StatusCode.UNAVAILABLE, "the router is restarting; keep your work "
+                                                       "and re-register")
+        if not await self.writer.drain(self.config.shutdown_timeout):
+            log.warning("%d writes were not durable within %g s; replicas still hold their "
+                        "output", self.writer.pending, self.config.shutdown_timeout)
+        self.table.detach_clients(SHUTDOWN_MESSAGE)
+        await asyncio.sleep(0)  # let the client streams see it before the server cancels them
         if self.server is not None:
             await self.server.stop(grace)
-        await self.core.stop()
+        await self.writer.stop()
+        await self.store.close()
+        self.admission.stop()
         if self.metrics_http is not None:
-            server, thread = self.metrics_http
+            server, _thread = self.metrics_http
             server.shutdown()
             server.server_close()
 
@@ -106,9 +174,8 @@ async def serve(config: RouterConfig) -> None:
     await app.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    import signal
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("shutting down")
+    log.info("shutting down: streams end, nothing is cancelled")
     await app.stop()

@@ -1,18 +1,19 @@
-"""Client input checks. Every problem becomes a RouterError whose message says
-exactly what is wrong; nothing else is disturbed."""
+"""Client input checks, shared by both front ends. Every problem becomes a
+RouterError whose message says exactly what is wrong; nothing else is
+disturbed. The names in messages are the gRPC API's field names."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
 import grpc
 
-from common.pb.quadriga.v1 import generation_pb2 as gpb
+from router.requests.spec import RequestSpec, Sampling
 
 MAX_REQUEST_ID_LEN = 256
 MAX_STREAM_INTERVAL = 4096
+MAX_LOGPROBS = 20
 
 
 class RouterError(Exception):
@@ -27,13 +28,17 @@ def invalid(message: str) -> RouterError:
     return RouterError(grpc.StatusCode.INVALID_ARGUMENT, message, "invalid_argument")
 
 
+def unavailable(message: str, reason: str) -> RouterError:
+    return RouterError(grpc.StatusCode.UNAVAILABLE, message, reason)
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     max_model_len: int
     vocab_size: int
 
 
-def check_request(req: gpb.GenerateRequest, limits: ModelLimits) -> None:
+def check_request(req: RequestSpec, limits: ModelLimits) -> None:
     """Everything that needs no tokenizer."""
     if len(req.request_id) > MAX_REQUEST_ID_LEN:
         raise invalid(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
@@ -44,36 +49,56 @@ def check_request(req: gpb.GenerateRequest, limits: ModelLimits) -> None:
         raise invalid("give exactly one of prompt and prompt_token_ids, not both")
     if not has_text and not has_ids:
         raise invalid("empty prompt: give prompt or prompt_token_ids")
-    ids = req.prompt_token_ids
-    if has_ids and max(ids) >= limits.vocab_size:
-        i, tok = next((i, t) for i, t in enumerate(ids) if t >= limits.vocab_size)
-        raise invalid(f"prompt_token_ids[{i}] = {tok} is not below the vocabulary size "
-                      f"{limits.vocab_size}")
-    if req.stream_interval > MAX_STREAM_INTERVAL:
-        raise invalid(f"stream_interval {req.stream_interval} is above {MAX_STREAM_INTERVAL}")
-    _check_sampling(req.sampling, limits)
+    _check_ids("prompt_token_ids", req.prompt_token_ids, limits)
+    if not 0 <= req.stream_interval <= MAX_STREAM_INTERVAL:
+        raise invalid(f"stream_interval {req.stream_interval} is not in [0, {MAX_STREAM_INTERVAL}]")
+    check_sampling(req.sampling, limits)
 
 
-def _check_sampling(s: gpb.SamplingParams, limits: ModelLimits) -> None:
-    if s.HasField("max_tokens") and s.max_tokens == 0:
+def _check_ids(name: str, ids, limits: ModelLimits) -> None:
+    for i, tok in enumerate(ids):
+        if not 0 <= tok < limits.vocab_size:
+            raise invalid(f"{name}[{i}] = {tok} is not in the vocabulary [0, {limits.vocab_size})")
+
+
+def _finite(name: str, value: float | None, lo: float, hi: float, lo_open: bool = False) -> None:
+    if value is None:
+        return
+    ok = math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
+    if not ok:
+        bracket = "(" if lo_open else "["
+        raise invalid(f"sampling.{name} {value} must lie in {bracket}{lo:g}, {hi:g}]")
+
+
+def check_sampling(s: Sampling, limits: ModelLimits) -> None:
+    if s.max_tokens is not None and s.max_tokens <= 0:
         raise invalid("sampling.max_tokens is 0: ask for at least one token (unset: up to the model limit)")
-    if s.HasField("temperature") and not (math.isfinite(s.temperature) and s.temperature >= 0):
+    if s.temperature is not None and not (math.isfinite(s.temperature) and s.temperature >= 0):
         raise invalid(f"sampling.temperature {s.temperature} must be a finite number >= 0")
-    if s.HasField("top_p") and not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
-        raise invalid(f"sampling.top_p {s.top_p} must lie in (0, 1]")
-    if s.HasField("top_k") and s.top_k < -1:
+    _finite("top_p", s.top_p, 0.0, 1.0, lo_open=True)
+    if s.top_k is not None and s.top_k < -1:
         raise invalid(f"sampling.top_k {s.top_k} must be -1 or 0 (disabled) or at least 1")
+    _finite("min_p", s.min_p, 0.0, 1.0)
+    _finite("presence_penalty", s.presence_penalty, -2.0, 2.0)
+    _finite("frequency_penalty", s.frequency_penalty, -2.0, 2.0)
+    if s.repetition_penalty is not None and not (math.isfinite(s.repetition_penalty)
+                                                 and s.repetition_penalty > 0):
+        raise invalid(f"sampling.repetition_penalty {s.repetition_penalty} must be a finite number > 0")
+    if s.seed is not None and not 0 <= s.seed < 2 ** 64:
+        raise invalid(f"sampling.seed {s.seed} must lie in [0, 2^64)")
+    if s.min_tokens is not None and s.min_tokens < 0:
+        raise invalid(f"sampling.min_tokens {s.min_tokens} must be >= 0")
+    if s.min_tokens and s.max_tokens is not None and s.min_tokens > s.max_tokens:
+        raise invalid(f"sampling.min_tokens {s.min_tokens} is more than max_tokens {s.max_tokens}")
+    if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
+        raise invalid(f"sampling.logprobs {s.logprobs} must lie in [0, {MAX_LOGPROBS}]")
     for i, stop in enumerate(s.stop):
         if not stop:
             raise invalid(f"sampling.stop[{i}] is an empty string")
-    stops = s.stop_token_ids
-    if stops and max(stops) >= limits.vocab_size:
-        i, tok = next((i, t) for i, t in enumerate(stops) if t >= limits.vocab_size)
-        raise invalid(f"sampling.stop_token_ids[{i}] = {tok} is not below the vocabulary "
-                      f"size {limits.vocab_size}")
+    _check_ids("sampling.stop_token_ids", s.stop_token_ids, limits)
 
 
-def effective_max_tokens(req: gpb.GenerateRequest, prompt_len: int, limits: ModelLimits) -> int:
+def effective_max_tokens(req: RequestSpec, prompt_len: int, limits: ModelLimits) -> int:
     """Checks lengths against the model; returns max_tokens with the default applied."""
     if prompt_len == 0:
         raise invalid("empty prompt: it has no tokens")
@@ -81,23 +106,10 @@ def effective_max_tokens(req: gpb.GenerateRequest, prompt_len: int, limits: Mode
     if room <= 0:
         raise invalid(f"prompt has {prompt_len} tokens; the model allows {limits.max_model_len} "
                       f"in all, leaving no room for output")
-    s = req.sampling
-    if s.HasField("max_tokens"):
-        if s.max_tokens > room:
-            raise invalid(f"prompt ({prompt_len} tokens) + max_tokens ({s.max_tokens}) is more than "
+    max_tokens = req.sampling.max_tokens
+    if max_tokens is not None:
+        if max_tokens > room:
+            raise invalid(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) is more than "
                           f"the model's {limits.max_model_len}")
-        return s.max_tokens
+        return max_tokens
     return room
-
-
-def digest(req: gpb.GenerateRequest) -> str:
-    """Identity of a request body for the re-attach rule (request_id and
-    stream_interval excluded: they do not change what is generated)."""
-    rid, interval = req.request_id, req.stream_interval
-    if not rid and not interval:  # the common case: no copy
-        return hashlib.sha256(req.SerializeToString(deterministic=True)).hexdigest()[:32]
-    body = gpb.GenerateRequest()
-    body.CopyFrom(req)
-    body.request_id = ""
-    body.stream_interval = 0
-    return hashlib.sha256(body.SerializeToString(deterministic=True)).hexdigest()[:32]

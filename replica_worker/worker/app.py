@@ -30,6 +30,7 @@ def build_worker(config: WorkerConfig) -> ReplicaWorker:
         block_size=engine_cfg.cache.block_size,
         max_batch_tokens=sched.chunk_size,
         max_model_len=engine.max_model_len,
+        prefetch=config.prefetch,
     )
     log.info("engine ready: %s on %s, %d KV blocks, scheduler %s",
              config.model_name, config.device, engine.runner.num_blocks, sched.name)

@@ -2,8 +2,11 @@
 engine commands and engine reports into one StepOutputs message per step.
 
 The engine keeps running while the router is away; on reconnect the worker
-re-registers with the requests it holds, resends their deltas (the router
-drops duplicates by output_offset) and aborts those the router re-queued.
+re-registers with the requests it holds, resends the deltas the router has
+not acknowledged (it drops duplicates by output_offset) and aborts those the
+router re-queued. No way a stream can end (a write after the call finished,
+a read after a reset, a refused connection) ends the process: each is a
+reconnect.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from replica_worker.worker.session_state import RequestBook
 
 log = logging.getLogger(__name__)
 
+# Messages to the router that may wait while gRPC applies flow control; past it the
+# stream is dropped and re-established (the unacknowledged deltas are resent).
+OUTBOX_LIMIT = 10_000
+
 # Statuses at registration that no retry can fix: exit instead of reconnecting.
 FATAL_CODES = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
@@ -45,6 +52,7 @@ class ReplicaWorker:
         self._reports: asyncio.Queue[EngineReport] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue | None = None  # the live stream's writer queue; None while away
+        self._call = None
         self._last_report: EngineReport | None = None
         self._lease_ttl_s = 10.0
         self._heartbeat_s = 1.0
@@ -95,6 +103,9 @@ class ReplicaWorker:
                 raise
             except (grpc.aio.AioRpcError, ConnectionError) as exc:
                 log.warning("router stream broke: %s", getattr(exc, "details", lambda: exc)())
+            except Exception:
+                # Whatever ended the stream, the engine and its work live on.
+                log.exception("router session failed; reconnecting")
             finally:
                 self.credit.reset()
                 await channel.close()
@@ -131,6 +142,7 @@ class ReplicaWorker:
     # ---- one router session ----
     async def _session(self, channel) -> None:
         call = replica_pb2_grpc.ReplicaGatewayStub(channel).Connect()
+        self._call = call
         await call.write(pb.ReplicaMessage(register=pb.Register(
             replica_id=self.config.replica_id,
             model=self.config.model_name,
@@ -150,7 +162,7 @@ class ReplicaWorker:
             await self._raise_registration_failure(call)
         # One writer per stream: gRPC allows a single write in flight, so every
         # message goes through this queue (None half-closes the stream).
-        self._outbox = asyncio.Queue()
+        self._outbox = asyncio.Queue(OUTBOX_LIMIT)
         tasks = [asyncio.create_task(self._write_loop(call, self._outbox)),
                  asyncio.create_task(self._read_loop(call)),
                  asyncio.create_task(self._heartbeats())]
@@ -159,6 +171,7 @@ class ReplicaWorker:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._outbox = None
+            self._call = None
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -166,16 +179,27 @@ class ReplicaWorker:
             task.result()  # re-raise what ended the session
 
     def _send(self, msg: pb.ReplicaMessage | None) -> None:
-        if self._outbox is not None:
+        if self._outbox is None:
+            return
+        try:
             self._outbox.put_nowait(msg)
+        except asyncio.QueueFull:
+            log.warning("%d messages to the router are unsent; re-establishing the stream",
+                        OUTBOX_LIMIT)
+            if self._call is not None:
+                self._call.cancel()
 
     async def _write_loop(self, call, outbox: asyncio.Queue) -> None:
-        while True:
-            msg = await outbox.get()
-            if msg is None:
-                await call.done_writing()
-                await asyncio.Event().wait()  # the read loop ends the session at EOF
-            await call.write(msg)
+        try:
+            while True:
+                msg = await outbox.get()
+                if msg is None:
+                    await call.done_writing()
+                    await asyncio.Event().wait()  # the read loop ends the session at EOF
+                await call.write(msg)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+            # The call ended under a write (router gone, stream reset): the session ends.
+            log.info("router stream closed while writing: %s", type(exc).__name__)
 
     async def _read_loop(self, call) -> None:
         while True:
@@ -199,7 +223,8 @@ class ReplicaWorker:
         for rid in abort:
             self.engine_loop.submit(AbortRequest(rid))
         if resend:
-            self._send(pb.ReplicaMessage(step=pb.StepOutputs(deltas=resend)))
+            self._send(pb.ReplicaMessage(step=pb.StepOutputs(step_id=self.book.next_seq(),
+                                                             deltas=resend)))
         log.info("registered with router (policy %s); kept %d, dropped %d",
                  reg.policy, len(set(reg.keep_request_ids)), len(abort))
         self._check_drained()
@@ -217,6 +242,9 @@ class ReplicaWorker:
             self._check_drained()
         elif kind == "drain":
             self.begin_drain()
+        elif kind == "ack":
+            self.book.acknowledged(msg.ack.step_id)
+            self._check_drained()
 
     def _on_assign(self, assignments) -> None:
         rejected = []
@@ -224,6 +252,7 @@ class ReplicaWorker:
         for a in assignments:
             context = len(a.prompt_token_ids) + len(a.resume_token_ids)
             tokens += context
+            self.book.assigned(a.request_id, context, len(a.resume_token_ids))
             try:
                 command = protocol.add_request_from_pb(a)
             except InvalidRequestError as exc:
@@ -231,11 +260,13 @@ class ReplicaWorker:
                     request_id=a.request_id, output_offset=len(a.resume_token_ids),
                     finish_reason=protocol.FINISH_REASONS["error"], error=str(exc)))
                 continue
-            self.book.assigned(a.request_id, context, len(a.resume_token_ids))
             self.engine_loop.submit(command)
         self.credit.on_assigned(len(assignments), tokens)
         if rejected:
-            self._send(pb.ReplicaMessage(step=pb.StepOutputs(deltas=rejected)))
+            seq = self.book.next_seq()
+            for d in rejected:
+                self.book.record(d, seq)
+            self._send(pb.ReplicaMessage(step=pb.StepOutputs(step_id=seq, deltas=rejected)))
             # Their credit is spent and no engine step may follow (an idle
             # engine reports only when it has work): ask for a report so the
             # capacity they never took is granted again.
@@ -250,13 +281,22 @@ class ReplicaWorker:
                 waiting=load.waiting if load else 0,
                 free_kv_blocks=load.free_kv_blocks if load else 0,
                 total_kv_blocks=load.total_kv_blocks if load else 0,
-                request_ids=list(self.book.live),
+                request_ids=self.book.unfinished,
             )))
             if self.draining and time.monotonic() > self._drain_deadline:
                 self._hand_back_all()
 
+    def _hand_back(self, ids) -> None:
+        """The engine gave these up after a recoverable error (they hold no KV any
+        more): the router resumes them, here or elsewhere, from what it recorded."""
+        for rid in ids:
+            self.book.dropped(rid)
+        log.warning("handing %d requests back to the router after an engine error", len(ids))
+        self._send(pb.ReplicaMessage(hand_back=pb.HandBack(request_ids=list(ids))))
+        self._check_drained()
+
     def _hand_back_all(self) -> None:
-        ids = list(self.book.live)
+        ids = self.book.unfinished
         for rid in ids:
             self.engine_loop.submit(AbortRequest(rid))
             self.book.dropped(rid)
@@ -277,17 +317,20 @@ class ReplicaWorker:
     def _send_report(self, report: EngineReport) -> None:
         res = report.result
         self.book.engine_holds(report.request_ids)
+        if report.handed_back:
+            self._hand_back(report.handed_back)
         connected = self._outbox is not None
         deltas = []
+        seq = self.book.next_seq() if res.deltas else 0
         for d in res.deltas:
             msg = protocol.delta_to_pb(d, self.book.first_scheduled_sent(d.request_id))
-            if self.book.record(msg, delivered=connected):
+            if self.book.record(msg, seq):
                 deltas.append(msg)
         if not connected:
             return
         if deltas:
             self._send(pb.ReplicaMessage(step=pb.StepOutputs(
-                step_id=report.step_id, deltas=deltas, batch_size=res.batch_size,
+                step_id=seq, deltas=deltas, batch_size=res.batch_size,
                 num_tokens=res.num_tokens, step_time_s=res.step_time,
                 free_kv_blocks=report.load.free_kv_blocks)))
         if not self.draining:

@@ -55,6 +55,8 @@ class EngineReport:
     load: EngineLoad
     request_ids: tuple[str, ...]  # live requests after this step
     step_id: int = 0
+    # Given up after a recoverable engine error: the router resumes them elsewhere.
+    handed_back: tuple[str, ...] = ()
 
 
 # Exit status of a replica whose accelerator failed (sysexits' EX_SOFTWARE).
@@ -125,8 +127,10 @@ class EngineLoop:
                     log.exception("engine step failed on the accelerator")
                     self._on_device_failure(exc)
                     return
-                log.exception("engine step failed; failing its requests")
-                self._fail_all("engine step failed")
+                # Recoverable (an out-of-memory step, say): the engine frees
+                # everything and the router resumes the work from what it has.
+                log.exception("engine step failed; handing its requests back")
+                self._hand_back_all()
 
     def _iterate(self, commands: list) -> None:
         rejected = [d for d in (self._apply(c) for c in commands) if d is not None]
@@ -176,10 +180,15 @@ class EngineLoop:
             step_id=self._engine.step_id,
         ))
 
-    def _fail_all(self, reason: str) -> None:
-        deltas = []
-        for rid in self._engine.request_ids():
-            offset = self._engine.scheduler.get_seq(rid).num_output_tokens
+    def _hand_back_all(self) -> None:
+        ids = tuple(self._engine.request_ids())
+        for rid in ids:
             self._engine.abort_request(rid)
-            deltas.append(RequestDelta(rid, [], "", offset, finish_reason="error", error=reason))
-        self._report(StepResult(deltas=deltas))
+        self._on_report(EngineReport(
+            result=StepResult(deltas=[]),
+            capacity=self._engine.admission_capacity(),
+            load=self._engine.load(),
+            request_ids=(),
+            step_id=self._engine.step_id,
+            handed_back=ids,
+        ))

@@ -17,8 +17,17 @@ FINISH_REASONS = {
 }
 
 
+# Fields of the wire contract this engine does not implement yet: a request
+# that sets one is refused with a clear error rather than run without it.
+_UNSUPPORTED = ("min_p", "min_tokens", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "logprobs")
+
+
 def sampling_from_pb(msg: gen_pb.SamplingParams) -> SamplingParams:
     """Unset fields take the API's defaults; invalid values raise InvalidRequestError."""
+    unsupported = [name for name in _UNSUPPORTED if msg.HasField(name)]
+    if unsupported:
+        raise InvalidRequestError(f"this replica does not support sampling.{unsupported[0]}")
     return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,

@@ -1,7 +1,17 @@
-"""What the worker remembers about its requests across router sessions."""
+"""What the worker remembers about its requests across router sessions.
+
+Every delta is kept until the router acknowledges it (Ack: durable in Redis),
+then forgotten, so memory holds only what the router could still lose. After
+a broken stream or a router restart the worker re-registers holding its live
+requests, and resends the unacknowledged deltas; the router drops what it
+already has by output_offset, so the client sees each token once. A request
+that finished stays here until its finish is acknowledged: otherwise a
+router that died before recording it would recompute the whole request.
+"""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from common.pb.quadriga.v1 import replica_pb2 as pb
@@ -10,21 +20,20 @@ from common.pb.quadriga.v1 import replica_pb2 as pb
 @dataclass
 class LiveRequest:
     num_prompt_tokens: int
-    # Every delta sent for this request. After a broken stream they are sent
-    # again: the router drops what it already has by output_offset, so the
-    # client sees each token once whichever deltas were lost in flight.
-    history: list[pb.RequestDelta] = field(default_factory=list)
+    # (message sequence, delta) of every delta not yet acknowledged, oldest first.
+    history: deque = field(default_factory=deque)
     first_scheduled_sent: bool = False
     next_offset: int = 0  # output_offset the router expects next (resumed tokens included)
-    finished: bool = False  # finished while the router was away; kept until resent
+    finished: bool = False
 
 
 class RequestBook:
-    """Live requests (assigned, not finished) and those not yet inside the engine."""
+    """Live requests (assigned, not finished and acknowledged) and those not yet inside the engine."""
 
     def __init__(self) -> None:
         self.live: dict[str, LiveRequest] = {}
         self.queued: dict[str, int] = {}  # request_id -> context tokens, until the engine reports it
+        self.seq = 0                      # of the last StepOutputs built (Ack refers to it)
 
     def assigned(self, request_id: str, context_tokens: int, num_resumed: int = 0) -> None:
         self.live[request_id] = LiveRequest(context_tokens, next_offset=num_resumed)
@@ -34,12 +43,12 @@ class RequestBook:
         self.live.pop(request_id, None)
         self.queued.pop(request_id, None)
 
-    def record(self, delta: pb.RequestDelta, delivered: bool) -> bool:
-        """Keeps a delta for resending; False for a request no longer live (cancelled).
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
 
-        A request that finishes while the router is away stays here, finished,
-        until its deltas are resent: otherwise its end would be lost.
-        """
+    def record(self, delta: pb.RequestDelta, seq: int) -> bool:
+        """Keeps a delta until acknowledged; False for a request no longer live (cancelled)."""
         req = self.live.get(delta.request_id)
         if req is None or req.finished:
             return False
@@ -51,13 +60,23 @@ class RequestBook:
         req.next_offset = delta.output_offset + len(delta.token_ids)
         if delta.first_scheduled_at:
             req.first_scheduled_sent = True
-        req.history.append(delta)
+        req.history.append((seq, delta))
         if delta.HasField("finish_reason"):
             req.finished = True
             self.queued.pop(delta.request_id, None)
-            if delivered:
-                self.dropped(delta.request_id)
         return True
+
+    def acknowledged(self, seq: int) -> None:
+        """The router holds every delta up to message `seq` durably."""
+        for rid, req in list(self.live.items()):
+            history = req.history
+            while history and history[0][0] <= seq:
+                history.popleft()
+            if req.finished and not history:
+                del self.live[rid]
+
+    def unacknowledged(self) -> int:
+        return sum(len(r.history) for r in self.live.values())
 
     def engine_holds(self, request_ids) -> None:
         """The engine reported these as inside it: they no longer count as queued."""
@@ -68,19 +87,21 @@ class RequestBook:
     def queued_tokens(self) -> int:
         return sum(self.queued.values())
 
+    @property
+    def unfinished(self) -> list[str]:
+        return [rid for rid, r in self.live.items() if not r.finished]
+
     def first_scheduled_sent(self, request_id: str) -> bool:
         req = self.live.get(request_id)
         return req is not None and req.first_scheduled_sent
 
     def replay(self, keep: set[str]) -> tuple[list[pb.RequestDelta], list[str]]:
-        """After re-registering: deltas to resend for kept requests, and the
-        unfinished requests the router took back (to abort here)."""
+        """After re-registering: unacknowledged deltas to resend for kept requests,
+        and the unfinished requests the router took back (to abort here)."""
         resend, abort = [], []
         for rid, req in list(self.live.items()):
             if rid in keep:
-                resend.extend(req.history)
-                if req.finished:
-                    self.dropped(rid)
+                resend.extend(d for _, d in req.history)
             else:
                 if not req.finished:
                     abort.append(rid)

@@ -25,16 +25,16 @@ async def expect_error(stub, req, code):
 def test_cancel_rpc_queued_and_running(redis_url, tiny_model, arun):
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model)) as app:
-            reps = Replicas(app.address, app.core.limits.vocab_size)
+            reps = Replicas(app.address, app.limits.vocab_size)
             rep = await reps.add("r", auto_pull=False, hold_on_finish=True)
             async with client(app.address) as stub:
                 queued = asyncio.create_task(collect(stub, request([1], 5, request_id="queued")))
-                await wait_until(lambda: app.core.queued_total == 1)
+                await wait_until(lambda: app.table.queued_total == 1)
                 assert (await stub.Cancel(gpb.CancelRequest(request_id="queued"))).cancelled
                 msgs = await queued
                 assert msgs[-1].finish_reason == gpb.FINISH_REASON_CANCELLED
-                assert app.core.queued_total == 0
-                assert await app.core.store.redis.zcard(app.core.store.queue_key("pending")) == 0
+                assert app.table.queued_total == 0
+                assert await app.store.redis.zcard(app.store.queue_key("pending")) == 0
                 assert not (await stub.Cancel(gpb.CancelRequest(request_id="queued"))).cancelled
 
                 running = asyncio.create_task(collect(stub, request([2], 5, request_id="running")))
@@ -44,7 +44,7 @@ def test_cancel_rpc_queued_and_running(redis_url, tiny_model, arun):
                 msgs = await running
                 assert msgs[-1].finish_reason == gpb.FINISH_REASON_CANCELLED
                 await wait_until(lambda: rep.rec.cancels == ["running"])
-                assert await app.core.store.redis.zcard(app.core.store.inflight_key) == 0
+                assert await app.store.redis.zcard(app.store.inflight_key) == 0
                 assert not (await stub.Cancel(gpb.CancelRequest(request_id="nope"))).cancelled
             await reps.close()
 
@@ -54,20 +54,20 @@ def test_cancel_rpc_queued_and_running(redis_url, tiny_model, arun):
 def test_client_disconnect_cancels(redis_url, tiny_model, arun):
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model)) as app:
-            reps = Replicas(app.address, app.core.limits.vocab_size)
+            reps = Replicas(app.address, app.limits.vocab_size)
             rep = await reps.add("r", auto_pull=False, hold_on_finish=True)
             async with client(app.address) as stub:
                 t = asyncio.create_task(collect(stub, request([1], 5, request_id="q")))
-                await wait_until(lambda: app.core.queued_total == 1)
+                await wait_until(lambda: app.table.queued_total == 1)
                 t.cancel()
-                await wait_until(lambda: "q" not in app.core.requests)
-                assert app.core.queued_total == 0
+                await wait_until(lambda: "q" not in app.table.requests)
+                assert app.table.queued_total == 0
                 t = asyncio.create_task(collect(stub, request([1], 5, request_id="run")))
                 rep.pull(1)
                 await wait_until(lambda: rep.rec.assignments)
                 t.cancel()
                 await wait_until(lambda: rep.rec.cancels == ["run"])
-                assert app.core.metrics.cancellations.labels("disconnect")._value.get() == 2
+                assert app.metrics.cancellations.labels("disconnect")._value.get() == 2
             await reps.close()
 
     arun(scenario())
@@ -94,7 +94,7 @@ BAD = [
 def test_bad_input_is_rejected_without_disturbing_others(redis_url, tiny_model, arun):
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model)) as app:
-            vocab = app.core.limits.vocab_size
+            vocab = app.limits.vocab_size
             reps = Replicas(app.address, vocab)
             await reps.add("r", step_delay=0.01)
             async with client(app.address) as stub:
@@ -117,17 +117,17 @@ def test_queue_limit_and_no_replica(redis_url, tiny_model, arun):
             async with client(app.address) as stub:
                 details = await expect_error(stub, request([1], 2), grpc.StatusCode.UNAVAILABLE)
                 assert "no replica" in details
-                reps = Replicas(app.address, app.core.limits.vocab_size)
+                reps = Replicas(app.address, app.limits.vocab_size)
                 rep = await reps.add("r", auto_pull=False)
                 waiting = [asyncio.create_task(collect(stub, request([i], 2))) for i in (1, 2)]
-                await wait_until(lambda: app.core.queued_total == 2)
+                await wait_until(lambda: app.table.queued_total == 2)
                 details = await expect_error(stub, request([3], 2), grpc.StatusCode.RESOURCE_EXHAUSTED)
                 assert "queue is full" in details
                 rep.pull(5)
                 for t in waiting:
                     assert (await t)[-1].finish_reason == gpb.FINISH_REASON_LENGTH
                 await reps.close()
-            rejected = app.core.metrics.rejections
+            rejected = app.metrics.rejections
             assert rejected.labels("queue_full")._value.get() == 1
             assert rejected.labels("no_replica")._value.get() == 1
 
@@ -137,7 +137,7 @@ def test_queue_limit_and_no_replica(redis_url, tiny_model, arun):
 def test_reattach_live_finished_and_conflicting(redis_url, tiny_model, arun):
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model)) as app:
-            vocab = app.core.limits.vocab_size
+            vocab = app.limits.vocab_size
             reps = Replicas(app.address, vocab)
             rep = await reps.add("r", step_delay=0.01)
             want = expected_tokens([8, 9], 20, vocab)
@@ -166,7 +166,7 @@ def test_health_reflection_and_metrics(redis_url, tiny_model, arun):
         port = free_port()
         cfg = make_config(redis_url, tiny_model, metrics_port=port)
         async with running_router(cfg) as app:
-            reps = Replicas(app.address, app.core.limits.vocab_size)
+            reps = Replicas(app.address, app.limits.vocab_size)
             await reps.add("r")
             async with grpc.aio.insecure_channel(app.address) as ch:
                 health = health_pb2_grpc.HealthStub(ch)
@@ -175,7 +175,7 @@ def test_health_reflection_and_metrics(redis_url, tiny_model, arun):
                     assert resp.status == health_pb2.HealthCheckResponse.SERVING
             async with client(app.address) as stub:
                 await collect(stub, request([1], 3))
-            app.core.metrics.sync_round_trips(app.core.store.round_trips)
+            app.metrics.sync_round_trips(app.writer.round_trips)
             loop = asyncio.get_running_loop()
             text = await loop.run_in_executor(
                 None, lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode())

@@ -8,7 +8,6 @@ import pytest
 from common.pb.quadriga.v1 import generation_pb2 as gpb
 from common.pb.quadriga.v1 import replica_pb2 as rpb
 from common.pb.quadriga.v1 import replica_pb2_grpc
-from router.store import Store
 from tests.router.test_scheduling import submit_in_order, wait_until
 from tests.support.router_harness import (Replicas, client, collect, make_config, request,
                                           running_router, tokens_of)
@@ -18,7 +17,7 @@ from tests.support.scripted_replica import expected_tokens
 def test_replica_killed_mid_stream_loses_and_repeats_nothing(redis_url, tiny_model, arun):
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model)) as app:
-            vocab = app.core.limits.vocab_size
+            vocab = app.limits.vocab_size
             reps = Replicas(app.address, vocab)
             doomed = await reps.add("doomed", step_delay=0.01, fail_after_steps=4)
             async with client(app.address) as stub:
@@ -46,7 +45,7 @@ def test_silent_replica_loses_its_lease(redis_url, tiny_model, arun):
     async def scenario():
         cfg = make_config(redis_url, tiny_model, lease_ttl=1.0, heartbeat_interval=0.25)
         async with running_router(cfg) as app:
-            vocab = app.core.limits.vocab_size
+            vocab = app.limits.vocab_size
             reps = Replicas(app.address, vocab)
             silent = await reps.add("silent", stop_heartbeats=True, hold_on_finish=True)
             async with client(app.address) as stub:
@@ -56,7 +55,7 @@ def test_silent_replica_loses_its_lease(redis_url, tiny_model, arun):
                 msgs = await task
             assert tokens_of(msgs) == expected_tokens([7], 5, vocab)
             assert msgs[-1].timings.replica_id == "alive"
-            assert app.core.registry.get("silent") is None
+            assert app.registry.get("silent") is None
             await reps.close()
 
     arun(scenario())
@@ -66,7 +65,7 @@ def test_silent_replica_loses_its_lease(redis_url, tiny_model, arun):
 def test_malformed_replica_is_dropped_and_its_work_requeued(redis_url, tiny_model, arun, garbage):
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model)) as app:
-            vocab = app.core.limits.vocab_size
+            vocab = app.limits.vocab_size
             reps = Replicas(app.address, vocab)
             bad = await reps.add("bad", step_delay=0.01, garbage=garbage, garbage_after_steps=2)
             async with client(app.address) as stub:
@@ -79,7 +78,7 @@ def test_malformed_replica_is_dropped_and_its_work_requeued(redis_url, tiny_mode
                 # The router lives on.
                 again = await collect(stub, request([1], 2))
                 assert tokens_of(again) == expected_tokens([1], 2, vocab)
-            assert app.core.metrics.replica_faults._value.get() == 1
+            assert app.metrics.replica_faults._value.get() == 1
             await reps.close()
 
     arun(scenario())
@@ -100,7 +99,7 @@ def test_pull_before_register_is_rejected(redis_url, tiny_model, arun):
                         pass
                 assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
                 assert "Register" in err.value.details()
-            assert len(app.core.registry) == 0
+            assert len(app.registry) == 0
 
     arun(scenario())
 
@@ -117,12 +116,12 @@ def test_router_refuses_replicas_it_must_not_trust(redis_url, tiny_model, arun,
                                                    router_overrides, refused, welcome, code):
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model, **router_overrides)) as app:
-            reps = Replicas(app.address, app.core.limits.vocab_size)
+            reps = Replicas(app.address, app.limits.vocab_size)
             stranger = await reps.add("stranger", wait=False, **refused)
             await asyncio.wait_for(reps.items["stranger"][1], 10)
             assert stranger.rec.errors == [code]
-            assert len(app.core.registry) == 0
-            served = app.core.config.served_model_name
+            assert len(app.registry) == 0
+            served = app.config.served_model_name
             await reps.add("member", **{k: served if v is SERVED else v for k, v in welcome.items()})
             async with client(app.address) as stub:
                 msgs = await collect(stub, request([1], 2))
@@ -135,14 +134,14 @@ def test_router_refuses_replicas_it_must_not_trust(redis_url, tiny_model, arun,
 def test_drain_hands_work_to_other_replicas(redis_url, tiny_model, arun):
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model)) as app:
-            vocab = app.core.limits.vocab_size
+            vocab = app.limits.vocab_size
             reps = Replicas(app.address, vocab)
             old = await reps.add("old", step_delay=0.02)
             async with client(app.address) as stub:
                 tasks = [asyncio.create_task(collect(stub, request([i], 15))) for i in range(1, 4)]
                 await wait_until(lambda: old.steps >= 2)
                 await reps.add("new", step_delay=0.005)
-                assert await app.ops.drain("old")
+                assert app.ops.drain("old")
                 results = await asyncio.gather(*tasks)
             assert old.rec.drained
             for i, msgs in zip(range(1, 4), results):
@@ -156,7 +155,7 @@ def test_drain_hands_work_to_other_replicas(redis_url, tiny_model, arun):
 def test_concurrent_pulls_never_share_a_request(redis_url, tiny_model, arun):
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model)) as app:
-            vocab = app.core.limits.vocab_size
+            vocab = app.limits.vocab_size
             reps = Replicas(app.address, vocab)
             for i in range(6):
                 await reps.add(f"r{i}", capacity=3, tokens_per_step=2)
@@ -168,50 +167,5 @@ def test_concurrent_pulls_never_share_a_request(redis_url, tiny_model, arun):
             ids = [a.request_id for i in range(6) for a in reps[f"r{i}"].rec.assignments]
             assert len(ids) == len(set(ids)) == 120
             await reps.close()
-
-    arun(scenario())
-
-
-def test_lua_pop_takes_while_token_credit_is_left(redis_url, arun):
-    """No credit takes nothing (0 is not "no limit"); the last one taken may overrun."""
-
-    async def scenario():
-        store = Store(redis_url, "credit:", 60)
-        for i, prompt_len in enumerate([4, 6, 1]):
-            await store.submit(f"c{i}", "d", b"", prompt_len, 1, 0, 1000.0 + i, 1, "pending")
-        assert await store.pop("pending", "rep", 3, 0, 2e9, 1.0) == []
-        assert await store.pop("pending", "rep", 3, 5, 2e9, 1.0) == ["c0", "c1"]  # 5 - 4 > 0, then 6 overruns
-        assert await store.pop("pending", "rep", 3, None, 2e9, 1.0) == ["c2"]
-        await store.close()
-
-    arun(scenario())
-
-
-def test_lua_pop_is_atomic_under_contention(redis_url, arun):
-    """Many connections popping one queue at once: every request exactly once."""
-
-    async def scenario():
-        stores = [Store(redis_url, "atomic:", 60) for _ in range(8)]
-        for i in range(300):
-            await stores[0].submit(f"x{i}", "d", b"", 1, 1, 0, 1000.0 + i, 1, "pending")
-
-        async def popper(k):
-            got = []
-            while True:
-                ids = await stores[k].pop("pending", f"rep{k}", 3, None, 2e9, 1.0)
-                if not ids:
-                    return got
-                got += ids
-
-        results = await asyncio.gather(*(popper(k) for k in range(8)))
-        flat = [i for r in results for i in r]
-        assert sorted(flat) == sorted(f"x{i}" for i in range(300))
-        assert len(flat) == len(set(flat))
-        r = stores[0].redis
-        assert await r.zcard("atomic:inflight") == 300
-        owners = {i: (await r.hget(f"atomic:req:{i}", "o")).decode() for i in results[0]}
-        assert set(owners.values()) <= {"rep0"}
-        for s in stores:
-            await s.close()
 
     arun(scenario())

@@ -20,9 +20,9 @@ async def submit_in_order(app, stub, reqs):
     """Starts streams one by one, each accepted before the next is sent."""
     tasks = []
     for r in reqs:
-        before = app.core.metrics.accepted._value.get()
+        before = app.metrics.accepted._value.get()
         tasks.append(asyncio.create_task(collect(stub, r)))
-        await wait_until(lambda: app.core.metrics.accepted._value.get() > before)
+        await wait_until(lambda: app.metrics.accepted._value.get() > before)
     return tasks
 
 
@@ -31,7 +31,7 @@ async def one_replica_pulling_by_hand(redis_url, model, reqs):
     """A router with one replica that pulls only when told, and reqs submitted in
     arrival order; yields the replica and, on leaving, waits for every request."""
     async with running_router(make_config(redis_url, model)) as app:
-        reps = Replicas(app.address, app.core.limits.vocab_size)
+        reps = Replicas(app.address, app.limits.vocab_size)
         rep = await reps.add("r", auto_pull=False)
         async with client(app.address) as stub:
             tasks = await submit_in_order(app, stub, reqs)
@@ -47,7 +47,7 @@ def assigned_ids(replica):
 def test_pull_earliest_first_and_only_what_was_asked(redis_url, tiny_model, arun):
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model)) as app:
-            vocab = app.core.limits.vocab_size
+            vocab = app.limits.vocab_size
             reps = Replicas(app.address, vocab)
             puller = await reps.add("puller", auto_pull=False)
             idle = await reps.add("idle", auto_pull=False)
@@ -108,14 +108,14 @@ def test_a_seat_granted_alone_adds_no_tokens(redis_url, tiny_model, arun):
 def test_outstanding_pull_is_served_on_arrival(redis_url, tiny_model, arun):
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model)) as app:
-            reps = Replicas(app.address, app.core.limits.vocab_size)
+            reps = Replicas(app.address, app.limits.vocab_size)
             rep = await reps.add("r", auto_pull=False)
             rep.pull(1)
             await asyncio.sleep(0.1)
             async with client(app.address) as stub:
                 msgs = await collect(stub, request([5, 6], 4))
             assert len(rep.rec.pulls) == 1  # no second Pull was needed
-            assert tokens_of(msgs) == expected_tokens([5, 6], 4, app.core.limits.vocab_size)
+            assert tokens_of(msgs) == expected_tokens([5, 6], 4, app.limits.vocab_size)
             await reps.close()
 
     arun(scenario())
@@ -137,23 +137,23 @@ def test_round_robin_rotates_over_live_replicas_and_redistributes(redis_url, tin
     async def scenario():
         cfg = make_config(redis_url, tiny_model, policy="round_robin")
         async with running_router(cfg) as app:
-            reps = Replicas(app.address, app.core.limits.vocab_size)
+            reps = Replicas(app.address, app.limits.vocab_size)
             for name in ("a", "b", "c"):
                 await reps.add(name, auto_pull=False)
             async with client(app.address) as stub:
                 reqs = [request([i + 1], 2, request_id=f"rr{i}") for i in range(6)]
                 tasks = await submit_in_order(app, stub, reqs)
-                queues = [app.core.requests[f"rr{i}"].queue for i in range(6)]
+                queues = [app.table.requests[f"rr{i}"].queue for i in range(6)]
                 assert queues == ["r:a", "r:b", "r:c", "r:a", "r:b", "r:c"]
                 await reps.kill("b")
-                await wait_until(lambda: app.core.registry.get("b") is None)
-                moved = {app.core.requests[r].queue for r in ("rr1", "rr4")}
+                await wait_until(lambda: app.registry.get("b") is None)
+                moved = {app.table.requests[r].queue for r in ("rr1", "rr4")}
                 assert moved <= {"r:a", "r:c"}
-                r = await app.core.store.redis.zcard(app.core.store.queue_key("r:b"))
+                r = await app.store.redis.zcard(app.store.queue_key("r:b"))
                 assert r == 0
                 more = await submit_in_order(app, stub, [request([9], 2, request_id="x0"),
                                                          request([9], 2, request_id="x1")])
-                assert {app.core.requests["x0"].queue, app.core.requests["x1"].queue} == {"r:a", "r:c"}
+                assert {app.table.requests["x0"].queue, app.table.requests["x1"].queue} == {"r:a", "r:c"}
                 reps["a"].pull(10)
                 reps["c"].pull(10)
                 for t in tasks + more:
@@ -169,7 +169,7 @@ def test_least_outstanding_picks_lightest(redis_url, tiny_model, arun):
     async def scenario():
         cfg = make_config(redis_url, tiny_model, policy="least_outstanding")
         async with running_router(cfg) as app:
-            reps = Replicas(app.address, app.core.limits.vocab_size)
+            reps = Replicas(app.address, app.limits.vocab_size)
             await reps.add("a", auto_pull=False)
             await reps.add("b", auto_pull=False)
             async with client(app.address) as stub:
@@ -178,13 +178,13 @@ def test_least_outstanding_picks_lightest(redis_url, tiny_model, arun):
                         request([1], 5, request_id="light2"),
                         request([1], 5, request_id="light3")]
                 tasks = await submit_in_order(app, stub, reqs)
-                where = {r: app.core.requests[r].queue for r in ("heavy", "light1", "light2", "light3")}
+                where = {r: app.table.requests[r].queue for r in ("heavy", "light1", "light2", "light3")}
                 assert where == {"heavy": "r:a", "light1": "r:b", "light2": "r:b", "light3": "r:b"}
                 reps["a"].pull(10)
                 reps["b"].pull(10)
                 await asyncio.gather(*tasks)
-                assert app.core.registry.get("a").load_tokens == 0
-                assert app.core.registry.get("b").load_tokens == 0
+                assert app.table.load_of("a") == 0
+                assert app.table.load_of("b") == 0
             await reps.close()
 
     arun(scenario())
@@ -193,11 +193,11 @@ def test_least_outstanding_picks_lightest(redis_url, tiny_model, arun):
 def test_stream_interval_coalesces(redis_url, tiny_model, arun):
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model)) as app:
-            reps = Replicas(app.address, app.core.limits.vocab_size)
+            reps = Replicas(app.address, app.limits.vocab_size)
             await reps.add("r", step_delay=0.005)
             async with client(app.address) as stub:
                 msgs = await collect(stub, request([3, 4], 10, stream_interval=4))
-            assert tokens_of(msgs) == expected_tokens([3, 4], 10, app.core.limits.vocab_size)
+            assert tokens_of(msgs) == expected_tokens([3, 4], 10, app.limits.vocab_size)
             assert all(len(m.token_ids) >= 4 for m in msgs[:-1])
             assert len(msgs) <= 3
             assert "".join(m.text for m in msgs) == "".join(f"<{t}>" for t in tokens_of(msgs))

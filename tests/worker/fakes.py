@@ -97,7 +97,9 @@ def make_worker(engine: FakeEngine, **config) -> ReplicaWorker:
 
 
 class Wired:
-    """A worker 'connected' to an outbox the test reads, with its engine thread running."""
+    """A worker 'connected' to an outbox the test reads, with its engine thread running.
+    Every StepOutputs the test reads is acknowledged, as a router does once it
+    is durable."""
 
     def __init__(self, worker: ReplicaWorker) -> None:
         self.worker = worker
@@ -120,7 +122,7 @@ class Wired:
         """The next message (of that kind, skipping others)."""
         async def get():
             while True:
-                msg = await self.worker._outbox.get()
+                msg = self._acked(await self.worker._outbox.get())
                 if kind is None or (msg is not None and msg.WhichOneof("kind") == kind) or (
                         msg is None and kind == "close"):
                     return msg
@@ -130,5 +132,10 @@ class Wired:
         await asyncio.sleep(delay)
         out = []
         while not self.worker._outbox.empty():
-            out.append(self.worker._outbox.get_nowait())
+            out.append(self._acked(self.worker._outbox.get_nowait()))
         return out
+
+    def _acked(self, msg):
+        if msg is not None and msg.WhichOneof("kind") == "step":
+            self.worker._on_router_message(pb.RouterMessage(ack=pb.Ack(step_id=msg.step.step_id)))
+        return msg

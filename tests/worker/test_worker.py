@@ -41,20 +41,20 @@ def test_invalid_assignment_gets_an_error_and_its_credit_back():
     run(main())
 
 
-def test_engine_step_failure_fails_its_requests_and_the_worker_lives():
+def test_recoverable_engine_error_hands_the_step_back_and_the_worker_lives():
+    """A step fails with an error the device survives (out of memory, say): the
+    engine frees everything and the worker hands the requests back to the
+    router, which resumes them from what it recorded; nothing is failed."""
     async def main():
         engine = FakeEngine(seats=4, length=3)
         worker = make_worker(engine)
         async with Wired(worker) as w:
             engine.fail_steps = 1
-            assign(worker, assignment("a"))
-            msgs = []
-            while not any(d.HasField("finish_reason") for d in deltas_of(msgs)):
-                msgs.append(await w.next())
-            [d] = [d for d in deltas_of(msgs) if d.request_id == "a"]
-            assert d.finish_reason == gpb.FINISH_REASON_ERROR and "engine step failed" in d.error
-            assert d.output_offset == 0
-            assert not worker.book.live and not worker.book.queued
+            assign(worker, assignment("a"), assignment("c"))
+            back = (await w.next("hand_back")).hand_back
+            assert sorted(back.request_ids) == ["a", "c"]
+            assert not [d for d in deltas_of(await w.settle()) if d.HasField("finish_reason")]
+            assert not engine.reqs and not worker.book.live and not worker.book.queued
             # The next request runs normally.
             assign(worker, assignment("b"))
             got = []
@@ -133,7 +133,9 @@ def test_cancel_while_the_add_is_still_queued_sends_nothing_for_it():
     run(main())
 
 
-def test_step_failing_after_sampling_reports_the_error_at_the_delivered_offset():
+def test_step_failing_after_sampling_hands_back_without_a_stray_token():
+    """The failing step sampled a token for "a" before raising: that token is
+    never reported, so the router resumes exactly after what it received."""
     async def main():
         engine = FakeEngine(seats=4, length=10**9)
         worker = make_worker(engine)
@@ -150,17 +152,14 @@ def test_step_failing_after_sampling_reports_the_error_at_the_delivered_offset()
             # its unread deltas would pile up in the outbox (gigabytes on a slow run).
             engine.hold = True
             got += [d for d in deltas_of(await w.settle()) if d.request_id == "a"]
-            # The next step samples a token for "a", then fails before reporting it.
             engine.fail_steps, engine.fail_after_sampling = 1, True
             engine.hold = False
             worker.engine_loop.request_report()
-            while not got[-1].HasField("finish_reason"):
-                got += [d for d in deltas_of([await w.next("step")]) if d.request_id == "a"]
-            last = got[-1]
-            assert last.finish_reason == gpb.FINISH_REASON_ERROR
-            # The router has offsets 0..n-1; an error delta at n+1 would be a gap
-            # (a protocol violation that drops the whole replica).
-            assert last.output_offset == got[-2].output_offset + len(got[-2].token_ids)
+            msgs = []
+            while not any(m.WhichOneof("kind") == "hand_back" for m in msgs):
+                msgs.append(await w.next())
+            assert [d for d in deltas_of(msgs) if d.request_id == "a"] == []
+            assert "a" not in worker.book.live
     run(main())
 
 

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReplicaCapacity(_message.Message):
-    __slots__ = ("max_num_seqs", "num_kv_blocks", "block_size", "max_batch_tokens", "max_model_len")
+    __slots__ = ("max_num_seqs", "num_kv_blocks", "block_size", "max_batch_tokens", "max_model_len", "prefetch")
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
     max_num_seqs: int
     num_kv_blocks: int
     block_size: int
     max_batch_tokens: int
     max_model_len: int
-    def __init__(self, max_num_seqs: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    prefetch: int
+    def __init__(self, max_num_seqs: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., prefetch: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("replica_id", "model", "capacity", "scheduler", "auth_token", "held_request_ids")
@@ -128,20 +130,22 @@ class Registered(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., policy: _Optional[str] = ..., keep_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "resume_token_ids", "arrival_time", "resume_text_len")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "resume_token_ids", "arrival_time", "resume_text_len", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
     RESUME_TEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     arrival_time: float
     resume_text_len: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., arrival_time: _Optional[float] = ..., resume_text_len: _Optional[int] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., arrival_time: _Optional[float] = ..., resume_text_len: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class Assign(_message.Message):
     __slots__ = ("assignments",)
@@ -159,14 +163,22 @@ class Drain(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class Ack(_message.Message):
+    __slots__ = ("step_id",)
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    def __init__(self, step_id: _Optional[int] = ...) -> None: ...
+
 class RouterMessage(_message.Message):
-    __slots__ = ("registered", "assign", "cancel", "drain")
+    __slots__ = ("registered", "assign", "cancel", "drain", "ack")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     assign: Assign
     cancel: CancelRequests
     drain: Drain
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequests, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ...) -> None: ...
+    ack: Ack
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequests, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ...) -> None: ...

@@ -1,16 +1,20 @@
-"""Live replicas: one ReplicaSession per connected Connect stream."""
+"""Live replica streams: one ReplicaSession per connected Connect stream."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import time
+from collections import OrderedDict
 
 import grpc
 
 from common.pb.quadriga.v1 import replica_pb2 as rpb
+from router.replicas import wire
 
 _join_seq = itertools.count()
+OUTBOX_LIMIT = 10_000     # messages waiting to be written to one replica
+RELEASED_LIMIT = 10_000   # cancelled ids remembered per session (late deltas are fine)
 
 
 class ReplicaSession:
@@ -22,31 +26,36 @@ class ReplicaSession:
         self.join_seq = next(_join_seq)
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.last_seen = time.monotonic()
-        self.owned: dict[str, object] = {}      # request id -> RequestState it runs
-        self.released: set[str] = set()         # cancelled by the router; late deltas are fine
+        self.released: OrderedDict[str, None] = OrderedDict()
         self.rebound: set[str] = set()          # kept at Register, no delta seen since
-        self.load_tokens = 0                    # queued + running cost (least_outstanding)
-        # Outstanding Pull: what the router may still assign against the latest Pull.
-        self.pull_requests = 0
-        self.pull_tokens = 0                    # 0: no prompt-token limit
-        self.pull_unlimited_tokens = True
-        self.pull_at = 0.0
         self.draining = False
         self.closed = False
-        self.gone = False                       # its work has been requeued
         self.close_status: tuple[grpc.StatusCode, str] | None = None
         self.metrics = metrics
 
-    @property
-    def wants_work(self) -> bool:
-        return (not self.closed and not self.draining and self.pull_requests > 0
-                and (self.pull_unlimited_tokens or self.pull_tokens > 0))
-
     def send(self, msg: rpb.RouterMessage) -> None:
-        if not self.closed:
-            self.outbox.put_nowait(msg)
-            if self.metrics:
-                self.metrics.sent_to_replica(msg.WhichOneof("kind")).inc()
+        if self.closed:
+            return
+        if self.outbox.qsize() >= OUTBOX_LIMIT:
+            # The replica is not reading: end the stream rather than grow without
+            # bound; its work stays with it until the lease lapses.
+            self.close(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"{OUTBOX_LIMIT} messages to this replica are unread")
+            return
+        self.outbox.put_nowait(msg)
+        if self.metrics:
+            self.metrics.sent_to_replica(msg.WhichOneof("kind")).inc()
+
+    def send_assignments(self, requests) -> None:
+        self.send(rpb.RouterMessage(assign=wire.assign(requests)))
+
+    def send_cancel(self, request_ids) -> None:
+        for rid in request_ids:
+            self.remember_released(rid)
+        self.send(rpb.RouterMessage(cancel=rpb.CancelRequests(request_ids=list(request_ids))))
+
+    def send_ack(self, step_id: int) -> None:
+        self.send(rpb.RouterMessage(ack=rpb.Ack(step_id=step_id)))
 
     def close(self, code: grpc.StatusCode | None = None, message: str = "") -> None:
         """Ends the stream; with a code, the replica sees that status."""
@@ -58,9 +67,9 @@ class ReplicaSession:
         self.outbox.put_nowait(None)
 
     def remember_released(self, rid: str) -> None:
-        self.released.add(rid)
-        if len(self.released) > 10_000:
-            self.released.pop()
+        self.released[rid] = None
+        while len(self.released) > RELEASED_LIMIT:
+            self.released.popitem(last=False)
 
 
 class Registry:
@@ -85,13 +94,6 @@ class Registry:
 
     def get(self, replica_id: str) -> ReplicaSession | None:
         return self.sessions.get(replica_id)
-
-    def live(self) -> list[ReplicaSession]:
-        return [s for s in self.sessions.values() if not s.closed and not s.draining]
-
-    def pullers(self) -> list[ReplicaSession]:
-        """Replicas with an outstanding Pull, oldest Pull first."""
-        return sorted((s for s in self.sessions.values() if s.wants_work), key=lambda s: s.pull_at)
 
     def __len__(self) -> int:
         return len(self.sessions)

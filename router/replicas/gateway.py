@@ -1,9 +1,10 @@
 """ReplicaGateway servicer: one bidirectional Connect stream per replica.
 
 The first message must be Register; after that Pull, Heartbeat, StepOutputs
-and HandBack in any order. Any protocol violation drops the stream (the
-replica sees FAILED_PRECONDITION with the reason) and requeues its work; the
-router itself carries on.
+and HandBack in any order. A protocol violation (or malformed bytes) drops
+the stream, the replica sees the status with the reason, and its work is
+requeued; the router itself carries on. A stream that merely ends leaves the
+replica's work with it until its lease lapses (ops.py).
 """
 
 from __future__ import annotations
@@ -17,19 +18,21 @@ import grpc
 
 from common.pb.quadriga.v1 import replica_pb2 as rpb
 from common.pb.quadriga.v1 import replica_pb2_grpc
-from router.registry import ReplicaSession
-from router.replica_ops import ReplicaFault, ReplicaOps
+from router.malformed import MalformedMessage
+from router.replicas.ops import ReplicaFault
+from router.replicas.registry import ReplicaSession
 
 log = logging.getLogger(__name__)
 
 
 class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
-    def __init__(self, core, ops: ReplicaOps):
-        self.core = core
+    def __init__(self, ops, config, metrics, lifecycle):
         self.ops = ops
-        self.config = core.config
+        self.config = config
+        self.metrics = metrics
+        self.lifecycle = lifecycle       # .stopping: refuse new streams during shutdown
         kinds = ("register", "pull", "heartbeat", "step", "hand_back", "none")
-        self._in = {k: core.metrics.messages_in.labels(k) for k in kinds}
+        self._in = {k: metrics.messages_in.labels(k) for k in kinds}
 
     async def _register(self, it, context) -> rpb.Register:
         try:
@@ -37,6 +40,8 @@ class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
         except (StopAsyncIteration, asyncio.TimeoutError):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no Register within {self.config.register_timeout:g} s")
+        except MalformedMessage as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if first.WhichOneof("kind") != "register":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "the first message on Connect must be Register")
@@ -44,7 +49,7 @@ class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
         self._in["register"].inc()
         token = self.config.replica_token
         if token and not hmac.compare_digest(reg.auth_token.encode(), token.encode()):
-            self.core.metrics.rejections.labels("replica_auth").inc()
+            self.metrics.rejections.labels("replica_auth").inc()
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "replica auth_token is missing or wrong (router requires "
                                 "QUADRIGA_REPLICA_TOKEN)")
@@ -54,22 +59,25 @@ class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
         served = self.config.served_model_name
         if reg.model and reg.model != served:
             # Its outputs would not match what clients asked this router for.
-            self.core.metrics.rejections.labels("replica_model").inc()
+            self.metrics.rejections.labels("replica_model").inc()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"replica serves model {reg.model!r}; this router serves {served!r} "
                                 "(set the same QUADRIGA_MODEL_NAME / QUADRIGA_ROUTER_MODEL_NAME)")
         return reg
 
     async def Connect(self, request_iterator, context):
+        if self.lifecycle.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
         it = request_iterator.__aiter__()
         reg = await self._register(it, context)
-        session = ReplicaSession(reg.replica_id, reg, self.core.metrics)
-        keep = await self.ops.join(session, list(reg.held_request_ids))
+        session = ReplicaSession(reg.replica_id, reg, self.metrics)
+        keep = self.ops.join(session, list(reg.held_request_ids))
         log.info("replica %s joined (model %s, keeps %d)", session.id, reg.model, len(keep))
         session.send(rpb.RouterMessage(registered=rpb.Registered(
             heartbeat_interval_s=self.config.heartbeat_interval, lease_ttl_s=self.config.lease_ttl,
             policy=self.config.policy, keep_request_ids=keep)))
-        reader = asyncio.get_running_loop().create_task(self._read(it, session))
+        outcome = {"requeue": False, "reason": "stream_ended"}
+        reader = asyncio.get_running_loop().create_task(self._read(it, session, outcome))
         try:
             while True:
                 msg = await session.outbox.get()
@@ -78,35 +86,39 @@ class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
                 yield msg
         finally:
             reader.cancel()
-            # Requeueing must finish even when this handler is being cancelled.
-            self.core.spawn(self.ops.leave(session, "replica_gone"))
+            self.ops.leave(session, outcome["requeue"], outcome["reason"])
         if session.close_status is not None:
             await context.abort(*session.close_status)
 
-    async def _read(self, it, session: ReplicaSession) -> None:
+    async def _read(self, it, session: ReplicaSession, outcome: dict) -> None:
         ops = self.ops
         try:
             async for msg in it:
+                if session.closed:
+                    return
                 session.last_seen = time.monotonic()
                 kind = msg.WhichOneof("kind")
                 self._in[kind or "none"].inc()
                 if kind == "step":
-                    await ops.on_step(session, msg.step)
+                    ops.on_step(session, msg.step)
                 elif kind == "pull":
                     ops.on_pull(session, msg.pull)
                 elif kind == "heartbeat":
-                    pass  # last_seen above renews every lease this replica holds
+                    pass  # last_seen above keeps the replica's leases renewed
                 elif kind == "hand_back":
-                    await ops.on_hand_back(session, msg.hand_back)
+                    ops.on_hand_back(session, msg.hand_back)
                 elif kind == "register":
                     raise ReplicaFault("Register sent twice on one stream")
                 else:
                     raise ReplicaFault("message with no kind set")
             session.close(None)
-        except ReplicaFault as fault:
+        except (ReplicaFault, MalformedMessage) as fault:
+            code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(fault, MalformedMessage) \
+                else grpc.StatusCode.FAILED_PRECONDITION
             log.warning("dropping replica %s: %s", session.id, fault)
-            self.core.metrics.replica_faults.inc()
-            session.close(grpc.StatusCode.FAILED_PRECONDITION, f"protocol violation: {fault}")
+            self.metrics.replica_faults.inc()
+            outcome.update(requeue=True, reason="replica_fault")
+            session.close(code, f"protocol violation: {fault}")
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:
@@ -115,4 +127,3 @@ class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
         except Exception as exc:
             log.exception("replica %s: unexpected error", session.id)
             session.close(grpc.StatusCode.INTERNAL, f"router error: {exc}")
-        await self.ops.leave(session, "replica_gone")

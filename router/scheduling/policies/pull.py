@@ -3,7 +3,7 @@ bound to a replica only when that replica pulls, with room for it."""
 
 from __future__ import annotations
 
-from router.policies.base import Policy
+from router.scheduling.policies.base import Policy
 
 
 class PullPolicy(Policy):

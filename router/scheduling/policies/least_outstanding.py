@@ -3,14 +3,14 @@ tokens (queued plus running, prompt plus max output each)."""
 
 from __future__ import annotations
 
-from router.policies.base import Policy
+from router.scheduling.policies.base import Policy
 
 
 class LeastOutstandingPolicy(Policy):
     name = "least_outstanding"
     per_replica_queues = True
 
-    def select(self, request, live):
+    def select(self, cost, live):
         if not live:
             return None
-        return min(live, key=lambda r: (r.load_tokens, r.join_seq))
+        return min(live, key=lambda r: (self.context.load_of(r.id), r.join_seq))

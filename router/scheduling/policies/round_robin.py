@@ -3,17 +3,18 @@ rotating over the live replicas in the order they joined."""
 
 from __future__ import annotations
 
-from router.policies.base import Policy
+from router.scheduling.policies.base import Policy
 
 
 class RoundRobinPolicy(Policy):
     name = "round_robin"
     per_replica_queues = True
 
-    def __init__(self) -> None:
+    def __init__(self, context=None) -> None:
+        super().__init__(context)
         self._last_join_seq = -1
 
-    def select(self, request, live):
+    def select(self, cost, live):
         if not live:
             return None
         ordered = sorted(live, key=lambda r: r.join_seq)

@@ -1,0 +1,161 @@
+"""The one request path both front ends share: validate, tokenize, place and
+admit a plain RequestSpec, or find the request it re-attaches to; cancel.
+
+A request is accepted once its submit is durable in Redis. Until then the
+client waits, at most `submit_timeout`; past it the client is told
+UNAVAILABLE and the request is withdrawn (table.withdraw), so a retry with
+the same request_id either re-attaches or starts afresh, never meets a ghost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from common.tokenizer import load_tokenizer
+from router.recovery import state_from_record
+from router.requests.request import RequestState
+from router.requests.spec import RequestSpec
+from router.validation import (ModelLimits, RouterError, check_request, effective_max_tokens,
+                               unavailable)
+
+log = logging.getLogger(__name__)
+
+
+class Admission:
+    def __init__(self, config, limits: ModelLimits, table, scheduler, registry, writer, store,
+                 metrics):
+        self.config = config
+        self.limits = limits
+        self.table = table
+        self.scheduler = scheduler
+        self.registry = registry
+        self.writer = writer
+        self.store = store
+        self.metrics = metrics
+        self.stopping = False
+        self.waiting_for_replica = 0
+        self.executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+        self.tokenizer = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.tokenizer = await loop.run_in_executor(self.executor, load_tokenizer, self.config.model)
+
+    def stop(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- open ----
+    async def open(self, spec: RequestSpec) -> RequestState:
+        """Validates and accepts a request, or finds the one it re-attaches to."""
+        check_request(spec, self.limits)
+        digest = spec.digest()
+        if spec.request_id:
+            found = self._in_memory(spec.request_id, digest)
+            if found is not None:
+                return found
+        self._check_room()
+        ids = list(spec.prompt_token_ids) if spec.prompt_token_ids else await self._tokenize(spec.prompt)
+        max_tokens = effective_max_tokens(spec, len(ids), self.limits)
+        await self._wait_for_replica()
+        rid = spec.request_id or uuid.uuid4().hex
+        found = self._in_memory(rid, digest)  # the same id may have arrived meanwhile
+        if found is not None:
+            return found
+        cost = len(ids) + max_tokens
+        req, stored = self.table.admit(spec, ids, max_tokens, self.scheduler.arrival_queue(cost),
+                                       rid, digest)
+        try:
+            created, value, state = await asyncio.wait_for(asyncio.shield(stored),
+                                                           self.config.submit_timeout)
+        except asyncio.TimeoutError:
+            self.table.withdraw(req)
+            raise unavailable(f"Redis did not store the request within {self.config.submit_timeout:g} s; "
+                              "retry (with the same request_id to be safe)", "store") from None
+        except BaseException:
+            self.table.withdraw(req)
+            raise
+        if not int(created):
+            self.table.forget_unstored(req)
+            return await self._from_store(rid, digest, value.decode())
+        self.table.confirm(req)
+        return req
+
+    def _in_memory(self, rid: str, digest: str) -> RequestState | None:
+        if self.table.withdrawing(rid):
+            raise unavailable(f"request {rid!r} is being withdrawn after a Redis timeout; retry",
+                              "withdrawing")
+        req = self.table.get(rid)
+        if req is None:
+            return None
+        self._same_body(req.digest, digest, rid)
+        return req
+
+    @staticmethod
+    def _same_body(stored: str, digest: str, rid: str) -> None:
+        if stored != digest:
+            raise RouterError(grpc.StatusCode.ALREADY_EXISTS,
+                              f"request_id {rid!r} is in use by a different request (prompt, "
+                              "sampling or priority differ); re-attaching needs the identical "
+                              "request, otherwise choose a new request_id", "duplicate_id")
+
+    def _check_room(self) -> None:
+        if self.stopping:
+            raise unavailable("the router is shutting down; retry on its successor", "stopping")
+        waiting = self.table.queued_total + self.waiting_for_replica
+        if waiting >= self.config.queue_limit:
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"queue is full ({self.config.queue_limit} requests waiting); "
+                              "retry later", "queue_full")
+        why = self.writer.accepting()
+        if why is not None:
+            raise unavailable(f"the router takes no new requests now: {why}; retry", "store")
+
+    async def _tokenize(self, prompt: str) -> list[int]:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.executor, self.tokenizer.encode, prompt)
+        except Exception as exc:  # a tokenizer failure is answered, never swallowed
+            raise RouterError(grpc.StatusCode.INTERNAL, f"tokenizing the prompt failed: {exc}",
+                              "tokenizer") from exc
+
+    async def _wait_for_replica(self) -> None:
+        if len(self.registry):
+            return
+        self.waiting_for_replica += 1
+        try:
+            await asyncio.wait_for(self.registry.any_replica.wait(), self.config.no_replica_timeout)
+        except asyncio.TimeoutError:
+            raise unavailable(f"no replica serving {self.config.served_model_name} connected within "
+                              f"{self.config.no_replica_timeout:g} s", "no_replica") from None
+        finally:
+            self.waiting_for_replica -= 1
+
+    async def _from_store(self, rid: str, digest: str, stored_digest: str) -> RequestState:
+        """The id exists in Redis but not in memory: a finished request kept for
+        result_ttl, or a live one this router does not hold (it takes it in)."""
+        self._same_body(stored_digest, digest, rid)
+        try:
+            [rec] = await self.store.load_requests([rid])
+        except Exception as exc:
+            raise unavailable(f"reading request {rid!r} from Redis failed ({exc}); retry", "store") from exc
+        if rec is None:
+            raise unavailable(f"request {rid!r} expired while re-attaching; retry", "expired")
+        req = state_from_record(rec)
+        if req.finished:
+            return req
+        found = self._in_memory(rid, digest)
+        if found is not None:
+            return found
+        import time
+
+        self.table.load_recovered(req, rec.get("st", b"").decode(), rec.get("o", b"").decode(),
+                                  time.time())
+        return req
+
+    def cancel(self, rid: str, source: str) -> bool:
+        return self.table.cancel(rid, source)

@@ -1,0 +1,200 @@
+"""Redis data model: the truth about accepted work, so a router restart loses nothing.
+
+Keys (prefix P, default "quadriga:"):
+  P req:<id>     hash   sp=spec json (sampling; prompt text not kept), p=prompt ids
+                        (packed), d=digest, tok=submit token, pl, mt, pr, si, at=arrival,
+                        m=queue member, q=queue name, st=q|r|f, o=owner replica,
+                        n=times assigned, seq, rq=requeues, asg, fs, ft, fin, fr, err, rep, pre
+  P out:<id>     string output token ids so far, packed little-endian uint32
+  P txt:<id>     string output text so far (UTF-8)
+  P q:<name>     zset   queued requests; name is "pending" or "r:<replica>";
+                        score = -priority, member = arrival_us(16) seq(12) ":" id,
+                        so equal priorities pop in arrival order
+  P inflight     zset   running request ids, score = lease expiry (unix s)
+  P live         set    every unfinished request id (what recovery reads)
+  P seq          counter (INCR) breaking arrival ties
+  P pop:<token>  list   what one pop took, for 300 s (a retried pop returns it again)
+Finished requests keep req/out/txt for result_ttl seconds.
+
+Every write is built here as a `Write` and goes through the RedisWriter
+(writer.py), in order; reads (recovery, re-attach to a finished request) use
+redis-py with the same deadline.
+"""
+
+from __future__ import annotations
+
+import array
+import math
+import sys
+
+import redis.asyncio as aioredis
+
+from router.persistence import lua
+from router.persistence.resp import LeanRedis
+from router.persistence.writer import Write
+
+_LITTLE = sys.byteorder == "little"
+
+
+def pack_tokens(token_ids) -> bytes:
+    a = array.array("I", token_ids)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_tokens(data: bytes | None) -> list[int]:
+    if not data:
+        return []
+    a = array.array("I")
+    a.frombytes(data)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tolist()
+
+
+class Store:
+    def __init__(self, url: str, prefix: str, result_ttl: float, timeout: float):
+        self.redis = aioredis.from_url(url, decode_responses=False, socket_timeout=timeout,
+                                       socket_connect_timeout=timeout)
+        self.prefix = prefix
+        self.ttl = max(1, math.ceil(result_ttl))
+        pool = self.redis.connection_pool
+        self.lean = LeanRedis(pool.connection_kwargs, timeout=timeout,
+                              tls=issubclass(pool.connection_class, aioredis.SSLConnection))
+        self._submit = self.lean.script(lua.SUBMIT)
+        self._pop = self.lean.script(lua.POP)
+        self._step = self.lean.script(lua.STEP)
+        self._requeue = self.lean.script(lua.REQUEUE)
+        self._move = self.lean.script(lua.MOVE)
+        self._finish = self.lean.script(lua.FINISH)
+        self._abandon = self.lean.script(lua.ABANDON)
+
+    # ---- keys ----
+    def req_key(self, rid: str) -> str:
+        return f"{self.prefix}req:{rid}"
+
+    def out_key(self, rid: str) -> str:
+        return f"{self.prefix}out:{rid}"
+
+    def txt_key(self, rid: str) -> str:
+        return f"{self.prefix}txt:{rid}"
+
+    def queue_key(self, name: str) -> str:
+        return f"{self.prefix}q:{name}"
+
+    @property
+    def inflight_key(self) -> str:
+        return f"{self.prefix}inflight"
+
+    @property
+    def live_key(self) -> str:
+        return f"{self.prefix}live"
+
+    async def ping(self) -> None:
+        await self.redis.ping()
+
+    async def close(self) -> None:
+        self.lean.close()
+        await self.redis.aclose()
+
+    # ---- writes (see lua.py for each script's arguments) ----
+    def submit(self, rid: str, token: str, digest: str, spec_json: str, prompt_ids, max_tokens: int,
+               priority: int, arrival: float, stream_interval: int, queue: str) -> Write:
+        """Reply: (1, member, b'') stored; (0, digest, state) the id is taken."""
+        return Write(self._submit, (self.prefix,),
+                     (rid, token, digest, spec_json, pack_tokens(prompt_ids), len(prompt_ids),
+                      max_tokens, priority, repr(arrival), int(arrival * 1e6), stream_interval, queue),
+                     reply_arity=lua.SUBMIT_REPLY_ITEMS, item_args=lua.SUBMIT_ITEM_ARGS, bounded=True)
+
+    def pop(self, queue: str, replica: str, max_requests: int, max_prompt_tokens: int | None,
+            lease_expiry: float, now: float, token: str) -> Write:
+        """Takes from the head while token credit is left (None: no token limit)."""
+        tokens = -1 if max_prompt_tokens is None else max(0, max_prompt_tokens)
+        return Write(self._pop, (self.queue_key(queue), self.inflight_key, self.prefix, replica,
+                                 max_requests, tokens, repr(lease_expiry), repr(now), token),
+                     reply_arity=-1, numkeys=2)
+
+    def step(self, items: list) -> Write:
+        """items: 13 per delta (lua.STEP)."""
+        return Write(self._step, (self.prefix, self.ttl), items, item_args=lua.STEP_ITEM_ARGS)
+
+    def requeue(self, items: list) -> Write:
+        """items: (id, queue, expected owner, expected assignment count, requeues) flattened."""
+        return Write(self._requeue, (self.prefix,), items, item_args=lua.REQUEUE_ITEM_ARGS)
+
+    def move(self, items: list) -> Write:
+        """items: (id, source queue or '', destination) flattened."""
+        return Write(self._move, (self.prefix,), items, item_args=lua.MOVE_ITEM_ARGS)
+
+    def finish(self, rid: str, fields: dict) -> Write:
+        items = [rid, len(fields)]
+        for k, v in fields.items():
+            items += [k, v]
+        return Write(self._finish, (self.prefix, self.ttl), items, item_args=len(items))
+
+    def abandon(self, rid: str, token: str) -> Write:
+        return Write(self._abandon, (self.prefix,), (rid, token), item_args=lua.ABANDON_ITEM_ARGS)
+
+    def renew_leases(self, leases: dict[str, float]) -> Write:
+        args = ["ZADD", self.inflight_key, "XX"]
+        for rid, expiry in leases.items():
+            args += [repr(expiry), rid]
+        return Write(None, (), args, reply_arity=-1)
+
+    def ensure_leases(self, leases: dict[str, float]) -> Write:
+        """Recovery: every running request is in the inflight set with this lease."""
+        args = ["ZADD", self.inflight_key]
+        for rid, expiry in leases.items():
+            args += [repr(expiry), rid]
+        return Write(None, (), args, reply_arity=-1)
+
+    @staticmethod
+    def barrier(on_done) -> Write:
+        return Write(None, on_done=on_done)
+
+    # ---- reads (recovery and re-attach after a finish) ----
+    async def load_requests(self, ids: list[str]) -> list[dict | None]:
+        out: list[dict | None] = []
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            pipe = self.redis.pipeline(transaction=False)
+            for rid in chunk:
+                pipe.hgetall(self.req_key(rid))
+                pipe.get(self.out_key(rid))
+                pipe.get(self.txt_key(rid))
+            res = await pipe.execute()
+            for i, rid in enumerate(chunk):
+                h, toks, txt = res[3 * i], res[3 * i + 1], res[3 * i + 2]
+                if not h:
+                    out.append(None)
+                    continue
+                rec = {k.decode(): v for k, v in h.items()}
+                rec["id"] = rid
+                rec["tokens"] = unpack_tokens(toks)
+                rec["text"] = txt or b""
+                out.append(rec)
+        return out
+
+    async def live_ids(self) -> list[str]:
+        return sorted(m.decode() for m in await self.redis.smembers(self.live_key))
+
+    async def stray_members(self) -> tuple[list[tuple[str, str]], list[str]]:
+        """Queue members and in-flight ids whose request is not live (recovery cleans them)."""
+        live = set(await self.live_ids())
+        queued = []
+        async for key in self.redis.scan_iter(match=self.queue_key("*"), count=500):
+            for member in await self.redis.zrange(key, 0, -1):
+                if member.decode()[29:] not in live:
+                    queued.append((key.decode(), member.decode()))
+        inflight = [m.decode() for m in await self.redis.zrange(self.inflight_key, 0, -1)
+                    if m.decode() not in live]
+        return queued, inflight
+
+    async def remove_strays(self, queued: list[tuple[str, str]], inflight: list[str]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for key, member in queued:
+            pipe.zrem(key, member)
+        if inflight:
+            pipe.zrem(self.inflight_key, *inflight)
+        await pipe.execute()

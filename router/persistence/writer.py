@@ -1,0 +1,247 @@
+"""The one ordered path of every Redis write the router makes.
+
+Writes are queued in the order the router's memory changed and flushed by one
+task: everything pending (up to a batch) goes in one pipelined round trip, and
+consecutive calls of one script merge into one call. Redis applies them in
+that order, so Redis always holds a prefix of the router's history.
+
+Failure model:
+- every round trip has a deadline (`timeout`); a missed deadline or a lost
+  connection fails the attempt, the connection is dropped and the same batch
+  is sent again, with backoff, until it succeeds. Scripts are idempotent
+  (lua.py), so a batch that ran before its reply was lost runs again safely.
+- nothing accepted is dropped: a write is never failed for a transient fault.
+  `accepting()` tells new work (submits) to go away instead: past a bound on
+  pending submits, or while Redis has not answered for a whole deadline.
+- an error reply that no retry can fix (a script bug) fails that one write,
+  loudly, and the rest of the batch goes on.
+- `stalled` is set while a batch has waited longer than `stall_after`; the
+  router then serves clients from memory (the replicas keep every delta the
+  router has not acknowledged, so nothing shown is lost if the router dies).
+
+Each write's `on_done` runs once it is durable, in write order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from router.persistence.resp import LeanRedis, ReplyError, Script
+
+log = logging.getLogger(__name__)
+
+# Error replies that mean "not now" rather than "never": retried like a lost connection.
+TRANSIENT_REPLIES = ("NOSCRIPT", "LOADING", "BUSY", "TRYAGAIN", "MASTERDOWN", "READONLY")
+
+
+@dataclass(eq=False)
+class Write:
+    """One write. Writes with the same script and header merge into one call:
+    the call's ARGV is the header then every write's items. A write with no
+    script and no items is a barrier: done once every earlier write is."""
+
+    script: Script | None
+    header: tuple = ()
+    items: tuple | list = ()
+    reply_arity: int = 0             # replies per item in a merged call; -1: own call, whole reply
+    item_args: int = 1               # arguments per item (splits a merged call's reply)
+    numkeys: int = 0
+    on_done: Callable[[object], None] | None = None
+    bounded: bool = False            # counts against the pending-submit bound
+    future: asyncio.Future | None = field(default=None, repr=False)
+
+    @property
+    def mergeable(self) -> bool:
+        return self.script is not None and self.reply_arity >= 0
+
+
+class PermanentWriteError(RuntimeError):
+    """Redis refused a write in a way no retry can fix (a script error)."""
+
+
+class RedisWriter:
+    def __init__(self, client: LeanRedis, *, max_pending_submits: int, stall_after: float,
+                 max_batch: int = 512, on_stall: Callable[[bool], None] | None = None):
+        self.client = client
+        self.max_pending_submits = max_pending_submits
+        self.stall_after = stall_after
+        self.max_batch = max_batch
+        self.on_stall = on_stall
+        self.round_trips = 0
+        self.failing_since: float | None = None   # monotonic time of the first failed attempt
+        self.stalled = False
+        self._pending: collections.deque[Write] = collections.deque()
+        self._pending_submits = 0
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
+
+    # ---- queueing ----
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="redis-writer")
+
+    def post(self, write: Write) -> Write:
+        """Queues a write; its on_done runs once it is durable."""
+        self._pending.append(write)
+        if write.bounded:
+            self._pending_submits += 1
+        self._idle.clear()
+        self._wake.set()
+        return write
+
+    def call(self, write: Write) -> asyncio.Future:
+        """Queues a write and returns a future of its reply (or of a PermanentWriteError)."""
+        write.future = asyncio.get_running_loop().create_future()
+        self.post(write)
+        return write.future
+
+    def accepting(self) -> str | None:
+        """None when new submits may be queued, else why not."""
+        if self.failing_since is not None and time.monotonic() - self.failing_since > self.client.timeout:
+            return (f"Redis has not answered for {time.monotonic() - self.failing_since:.1f} s "
+                    f"(the router retries every write, but takes no new requests meanwhile)")
+        if self._pending_submits >= self.max_pending_submits:
+            return f"{self._pending_submits} submits are waiting for Redis (the bound)"
+        return None
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def drain(self, timeout: float) -> bool:
+        """Waits until everything queued so far is durable; False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.client.close()
+
+    # ---- the flush loop ----
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            if not self._pending:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = [self._pending[i] for i in range(min(len(self._pending), self.max_batch))]
+            started = time.monotonic()
+            self._arm_stall_timer()
+            try:
+                replies = await self._send(batch)
+            except (ConnectionError, TimeoutError, OSError, _TransientReply) as exc:
+                if self.failing_since is None:
+                    self.failing_since = started
+                    log.warning("Redis write failed (%s); retrying until Redis answers", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            for _ in batch:
+                w = self._pending.popleft()
+                if w.bounded:
+                    self._pending_submits -= 1
+            if self.failing_since is not None:
+                log.warning("Redis answers again after %.1f s", time.monotonic() - self.failing_since)
+            self.failing_since = None
+            backoff = 0.05
+            self._settle_stall(time.monotonic() - started)
+            self._complete(batch, replies)
+
+    async def _send(self, batch: list[Write]) -> list:
+        """Sends a batch; returns one reply (or ReplyError) per write."""
+        commands, spans = [], []   # spans[i]: (command index, first item) of batch[i]; None: barrier
+        last_key = None
+        for w in batch:
+            if w.script is None and not w.items:
+                spans.append(None)
+                continue
+            key = (w.script.sha, w.header, w.numkeys) if w.mergeable else None
+            if key is not None and key == last_key:
+                cmd = commands[-1]
+                spans.append((len(commands) - 1, cmd[1]))
+                cmd[1] += len(w.items) // w.item_args
+                cmd[2].extend(w.items)
+            else:
+                commands.append([w, len(w.items) // w.item_args if w.mergeable else 0, list(w.items)])
+                spans.append((len(commands) - 1, 0))
+            last_key = key
+        wire = []
+        for first, _, items in commands:
+            if first.script is None:
+                wire.append(tuple(items))
+            else:
+                wire.append(first.script.command([*first.header, *items], first.numkeys))
+        self.round_trips += 1
+        replies = await self.client.execute_many(wire) if wire else []
+        for reply in replies:
+            if isinstance(reply, ReplyError) and str(reply).startswith(TRANSIENT_REPLIES):
+                raise _TransientReply(str(reply))
+        out = []
+        for w, span in zip(batch, spans):
+            if span is None:
+                out.append(None)
+                continue
+            index, first_item = span
+            reply = replies[index]
+            if w.mergeable and w.reply_arity > 0 and not isinstance(reply, ReplyError):
+                n = len(w.items) // w.item_args
+                reply = reply[first_item * w.reply_arity:(first_item + n) * w.reply_arity]
+            out.append(reply)
+        return out
+
+    def _complete(self, batch: list[Write], replies: list) -> None:
+        for w, reply in zip(batch, replies):
+            if isinstance(reply, ReplyError):
+                log.error("Redis refused a write (%s): %s", w.script and w.script.text[:40], reply)
+                reply = PermanentWriteError(str(reply))
+            if w.future is not None and not w.future.done():
+                if isinstance(reply, Exception):
+                    w.future.set_exception(reply)
+                else:
+                    w.future.set_result(reply)
+            if w.on_done is not None:
+                try:
+                    w.on_done(reply)
+                except Exception:
+                    log.exception("a durable-write callback failed")
+
+    # ---- stall tracking ----
+    def _arm_stall_timer(self) -> None:
+        if self._stall_timer is None and not self.stalled:
+            self._stall_timer = asyncio.get_running_loop().call_later(self.stall_after, self._enter_stall)
+
+    def _enter_stall(self) -> None:
+        self._stall_timer = None
+        if not self.stalled:
+            self.stalled = True
+            log.warning("Redis is slower than %.2f s: clients are served from memory until it "
+                        "catches up", self.stall_after)
+            if self.on_stall:
+                self.on_stall(True)
+
+    def _settle_stall(self, took: float) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+        if self.stalled and took < self.stall_after and len(self._pending) < self.max_batch:
+            self.stalled = False
+            if self.on_stall:
+                self.on_stall(False)
+
+
+class _TransientReply(Exception):
+    pass

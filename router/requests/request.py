@@ -1,0 +1,140 @@
+"""Per-request state in the router's memory: output so far, timings, and the
+fan-out of deltas to subscribed client streams with coalescing.
+
+Only the request table (table.py) changes a request's phase, owner, queue or
+output; everything here is data plus the read side of the fan-out.
+
+Output has three marks, each a prefix of the next:
+  visible <= durable-or-shown <= received
+`tokens`/`parts` hold everything received from replicas. A subscriber is
+given output up to `visible_tokens`/`visible_parts`: what Redis holds, or,
+while Redis stalls, what arrived (the replica keeps every delta the router
+has not acknowledged, so what was shown is never lost with the router).
+The finish is shown likewise, once durable or while stalled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from router.requests.spec import RequestSpec
+
+CANCELLED = 3   # FinishReason values of the wire contract (generation.proto)
+ERROR = 4
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"        # in a queue (memory first; Redis follows in order)
+    RUNNING = "running"      # assigned to a replica whose stream is up
+    DETACHED = "detached"    # its replica's stream is gone; the lease decides its fate
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Subscriber:
+    interval: int
+    tok: int = 0       # next output token index to send
+    part: int = 0      # next text part to send
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    detached: str = ""  # set when the router ends this stream without a finish (shutdown)
+
+
+class RequestState:
+    def __init__(self, spec: RequestSpec, prompt_ids: list[int], *, rid: str, digest: str,
+                 max_tokens: int, arrival: float):
+        self.id = rid
+        self.spec = spec
+        self.prompt_ids = prompt_ids
+        self.digest = digest
+        self.prompt_len = len(prompt_ids)
+        self.max_tokens = max_tokens
+        self.priority = spec.priority
+        self.stream_interval = spec.stream_interval
+        self.arrival = arrival
+        self.order = (-spec.priority, arrival)   # queue order within this router
+        self.submit_token = ""
+        self.confirmed = False                # its submit is durable in Redis
+        self.phase = Phase.QUEUED
+        self.queue = ""                       # queue name while QUEUED
+        self.owner: str | None = None         # replica id while RUNNING or DETACHED
+        self.lease_deadline = 0.0             # unix s; DETACHED requests are requeued after it
+        self.assignments = 0                  # times popped (guards a retried requeue)
+        self.tokens: list[int] = []
+        self.parts: list[str] = []
+        self.text_bytes = 0                   # UTF-8 bytes of parts (the txt key's length)
+        self.visible_tokens = 0
+        self.visible_parts = 0
+        self.finish_visible = False
+        self.subscribers: list[Subscriber] = []
+        self.finish_reason = 0
+        self.error = ""
+        self.replica_id = ""
+        self.assigned_at = 0.0
+        self.first_scheduled_at = 0.0
+        self.first_token_at = 0.0
+        self.last_token_at = 0.0
+        self.finished_at = 0.0
+        self.preemptions = 0
+        self.preemption_base = 0              # preemptions before the current assignment
+        self.requeues = 0
+
+    @property
+    def cost(self) -> int:
+        """Outstanding-token estimate used by least_outstanding."""
+        return self.prompt_len + self.max_tokens
+
+    @property
+    def context_len(self) -> int:
+        """Tokens a replica must compute to (re)start it: prompt plus output so far."""
+        return self.prompt_len + len(self.tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    @property
+    def live(self) -> bool:
+        return self.phase is not Phase.FINISHED
+
+    # ---- fan-out (read side) ----
+    def subscribe(self, interval: int) -> Subscriber:
+        sub = Subscriber(interval=max(1, interval))
+        self.subscribers.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        if sub in self.subscribers:
+            self.subscribers.remove(sub)
+
+    def notify(self) -> None:
+        n = self.visible_tokens
+        for sub in self.subscribers:
+            if self.finish_visible or n - sub.tok >= sub.interval:
+                sub.event.set()
+
+    def take(self, sub: Subscriber):
+        """(new tokens, their text, output offset, whether this is the last message),
+        or None when nothing new is due for this subscriber."""
+        n = self.visible_tokens
+        last = self.finish_visible
+        if not last and n - sub.tok < sub.interval:
+            return None
+        out = (self.tokens[sub.tok:n], "".join(self.parts[sub.part:self.visible_parts]), sub.tok, last)
+        sub.tok, sub.part = n, self.visible_parts
+        return out
+
+    def timings(self) -> dict:
+        end = self.finished_at or time.time()
+
+        def since(t: float) -> float:
+            return max(0.0, t - self.arrival) if t else 0.0
+
+        return dict(queue_time_s=since(self.assigned_at),
+                    scheduling_delay_s=since(self.first_scheduled_at),
+                    time_to_first_token_s=since(self.first_token_at),
+                    end_to_end_s=since(end), replica_id=self.replica_id,
+                    preemptions=self.preemptions, prompt_tokens=self.prompt_len,
+                    output_tokens=len(self.tokens), requeues=self.requeues)

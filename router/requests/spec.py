@@ -1,0 +1,62 @@
+"""The plain request both front ends build (gRPC Generate, the OpenAI HTTP API).
+
+The router's core sees only these: no protobuf, no HTTP. Absent optional
+fields are None, so "unset" and "0" stay distinct as they are on the wire.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int | None = None       # None: up to the model's length limit
+    temperature: float | None = None    # None: 1.0; 0: greedy
+    top_p: float | None = None
+    top_k: int | None = None            # None, 0 or -1: off
+    min_p: float | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: int | None = None         # None: none; k: the sampled token's and the top k
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    request_id: str = ""                # empty: the router makes one
+    prompt: str = ""                    # exactly one of prompt and prompt_token_ids
+    prompt_token_ids: tuple[int, ...] = ()
+    sampling: Sampling = field(default_factory=Sampling)
+    priority: int = 0                   # higher first; equal priorities in arrival order
+    stream_interval: int = 0            # coalescing; 0: the router's default
+
+    def digest(self) -> str:
+        """Identity of the body for the re-attach rule: what is generated, so
+        request_id and stream_interval are left out."""
+        body = {"p": self.prompt, "ids": list(self.prompt_token_ids), "pr": self.priority,
+                "s": sampling_fields(self.sampling)}
+        raw = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+def sampling_fields(s: Sampling) -> dict:
+    """The fields that are set, as plain JSON values (what Redis keeps)."""
+    out = {}
+    for k, v in asdict(s).items():
+        if v is None or v == () or v is False:
+            continue
+        out[k] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def sampling_from_fields(d: dict) -> Sampling:
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+    return Sampling(**kw)

@@ -1,0 +1,398 @@
+"""The request table: the one owner of every request's state in the router.
+
+Its methods are the only transitions, and each asserts what it expects:
+
+    admit ──▶ QUEUED ──assign──▶ RUNNING ──finish / cancel──▶ FINISHED
+                ▲  │move           │  ▲adopt
+                │  ▼               ▼  │
+              requeue ◀──────── DETACHED   (its replica's stream is gone)
+
+Memory changes first, synchronously, so every coroutine sees one consistent
+view; the matching Redis write is queued on the ordered writer at the same
+moment, so Redis always holds a prefix of this history (a restarted router
+recovers from it). Nothing here awaits Redis: a stalled Redis pauses what
+clients are shown (request.py) and never fails a transition.
+
+Indexes kept here and nowhere else: requests by id, queued requests by
+queue, owned requests by replica, DETACHED requests, and the outstanding
+load (tokens) bound to each replica.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from typing import Callable
+
+from router.persistence.store import Store, pack_tokens
+from router.persistence.writer import RedisWriter
+from router.requests.request import CANCELLED, ERROR, Phase, RequestState, Subscriber
+from router.requests.spec import RequestSpec, sampling_fields
+
+log = logging.getLogger(__name__)
+REPLICA_QUEUE_PREFIX = "r:"
+
+
+class RequestTable:
+    def __init__(self, store: Store, writer: RedisWriter, metrics, *, lease_ttl: float,
+                 max_requeues: int):
+        self.store = store
+        self.writer = writer
+        self.metrics = metrics
+        self.lease_ttl = lease_ttl
+        self.max_requeues = max_requeues
+        self.requests: dict[str, RequestState] = {}
+        self._queued: dict[str, dict[str, RequestState]] = {}
+        self._owned: dict[str, dict[str, RequestState]] = {}
+        self._detached: dict[str, RequestState] = {}
+        self._load: dict[str, int] = {}
+        self._confirmed: dict[str, int] = {}
+        self._withdrawing: set[str] = set()
+        self._tokens = itertools.count()
+        self._epoch = uuid.uuid4().hex[:12]   # makes submit tokens unique across router lives
+        self.stopping = False                 # set at shutdown: streams end, nothing is cancelled
+        # Set by the router's wiring (upper layers); called after the change is made.
+        self.on_queued: Callable[[], None] = lambda: None
+        self.on_cancel_running: Callable[[str, str], None] = lambda owner, rid: None
+
+    # ---- reads ----
+    def get(self, rid: str) -> RequestState | None:
+        return self.requests.get(rid)
+
+    def queued_in(self, queue: str) -> list[RequestState]:
+        """Queued requests of one queue, in queue order."""
+        return sorted(self._queued.get(queue, {}).values(), key=lambda r: r.order)
+
+    def queued_count(self, queue: str) -> int:
+        """Queued requests whose submit is durable: only those are popped, so a
+        pop can never take a record this router has not confirmed as its own."""
+        return self._confirmed.get(queue, 0)
+
+    @property
+    def queued_total(self) -> int:
+        return sum(len(q) for q in self._queued.values())
+
+    def owned_by(self, replica_id: str) -> list[RequestState]:
+        return list(self._owned.get(replica_id, {}).values())
+
+    def load_of(self, replica_id: str) -> int:
+        return self._load.get(replica_id, 0)
+
+    def withdrawing(self, rid: str) -> bool:
+        return rid in self._withdrawing
+
+    def expired_detached(self, now: float) -> list[RequestState]:
+        return [r for r in self._detached.values() if r.lease_deadline <= now]
+
+    def running_leases(self, replica_ids, now: float) -> dict[str, float]:
+        return {rid: now + self.lease_ttl for owner in replica_ids
+                for rid, req in self._owned.get(owner, {}).items() if req.phase is Phase.RUNNING}
+
+    # ---- index upkeep (private) ----
+    def _enqueue(self, req: RequestState, queue: str) -> None:
+        req.phase, req.queue, req.owner = Phase.QUEUED, queue, None
+        self._queued.setdefault(queue, {})[req.id] = req
+        if req.confirmed:
+            self._confirmed[queue] = self._confirmed.get(queue, 0) + 1
+        self._add_load(queue, req.cost)
+        self.metrics.queue_depth.inc()
+
+    def _dequeue(self, req: RequestState) -> None:
+        del self._queued[req.queue][req.id]
+        if req.confirmed:
+            self._confirmed[req.queue] -= 1
+        self._add_load(req.queue, -req.cost)
+        req.queue = ""
+        self.metrics.queue_depth.dec()
+
+    def _own(self, req: RequestState, replica_id: str) -> None:
+        req.owner = replica_id
+        self._owned.setdefault(replica_id, {})[req.id] = req
+        self._load[replica_id] = self._load.get(replica_id, 0) + req.cost
+        self.metrics.inflight_of(replica_id).inc()
+
+    def _disown(self, req: RequestState) -> None:
+        owner = req.owner
+        del self._owned[owner][req.id]
+        self._load[owner] -= req.cost
+        self.metrics.inflight_of(owner).dec()
+        self._detached.pop(req.id, None)
+        req.owner = None
+
+    def _add_load(self, queue: str, cost: int) -> None:
+        if queue.startswith(REPLICA_QUEUE_PREFIX):
+            rid = queue[len(REPLICA_QUEUE_PREFIX):]
+            self._load[rid] = self._load.get(rid, 0) + cost
+
+    def forget_replica(self, replica_id: str) -> None:
+        """A replica left for good: drop its (empty) index entries."""
+        queue = REPLICA_QUEUE_PREFIX + replica_id
+        if not self._owned.get(replica_id) and not self._queued.get(queue):
+            self._owned.pop(replica_id, None)
+            self._queued.pop(queue, None)
+            self._confirmed.pop(queue, None)
+            self._load.pop(replica_id, None)
+
+    # ---- admit ----
+    def admit(self, spec: RequestSpec, prompt_ids: list[int], max_tokens: int, queue: str,
+              rid: str, digest: str):
+        """A new request, QUEUED in memory; returns it and the future of its submit write."""
+        assert rid not in self.requests, rid
+        now = time.time()
+        req = RequestState(spec, prompt_ids, rid=rid, digest=digest, max_tokens=max_tokens,
+                           arrival=now)
+        req.submit_token = f"{self._epoch}:{next(self._tokens)}"
+        self.requests[rid] = req
+        self._enqueue(req, queue)
+        spec_json = _spec_json(spec)
+        future = self.writer.call(self.store.submit(
+            rid, req.submit_token, digest, spec_json, prompt_ids, max_tokens, spec.priority, now,
+            spec.stream_interval, queue))
+        return req, future
+
+    def confirm(self, req: RequestState) -> None:
+        """Its submit is durable: it may be popped."""
+        assert not req.confirmed, req.id
+        req.confirmed = True
+        if req.phase is Phase.QUEUED:
+            self._confirmed[req.queue] = self._confirmed.get(req.queue, 0) + 1
+        self.metrics.accepted.inc()
+        self.on_queued()
+
+    def forget_unstored(self, req: RequestState) -> None:
+        """Its submit found the id taken in Redis: this copy never existed."""
+        assert req.phase is Phase.QUEUED, req.phase
+        self._dequeue(req)
+        req.phase = Phase.FINISHED
+        if self.requests.get(req.id) is req:
+            del self.requests[req.id]
+
+    def withdraw(self, req: RequestState) -> None:
+        """Its submit did not become durable in time (the client was told
+        UNAVAILABLE): removed here, and from Redis once the submit has landed,
+        so a retry with the same id starts afresh."""
+        if req.phase is Phase.QUEUED:
+            self._dequeue(req)
+        elif req.owner is not None:
+            self.on_cancel_running(req.owner, req.id)
+            self._disown(req)
+        req.phase = Phase.FINISHED
+        self._withdrawing.add(req.id)
+
+        def withdrawn(_reply) -> None:
+            self._withdrawing.discard(req.id)
+            if self.requests.get(req.id) is req:
+                del self.requests[req.id]
+
+        self.writer.post(self.store.abandon(req.id, req.submit_token)).on_done = withdrawn
+
+    def load_recovered(self, req: RequestState, state: str, owner: str, now: float) -> None:
+        """A live request read back from Redis (restart, or a record this router did not hold)."""
+        assert req.id not in self.requests, req.id
+        self.requests[req.id] = req
+        req.confirmed = True
+        req.visible_tokens, req.visible_parts = len(req.tokens), len(req.parts)
+        if state == "r" and owner:
+            req.phase = Phase.DETACHED
+            self._own(req, owner)
+            req.lease_deadline = now + self.lease_ttl
+            self._detached[req.id] = req
+        else:
+            self._enqueue(req, req.queue or "pending")
+            self.on_queued()
+
+    # ---- assignment ----
+    def assign(self, req: RequestState, replica_id: str) -> None:
+        """A pop took it for this replica (Redis already says so)."""
+        assert req.phase is Phase.QUEUED, (req.id, req.phase)
+        self._dequeue(req)
+        req.phase = Phase.RUNNING
+        self._own(req, replica_id)
+        req.assignments += 1
+        req.preemption_base = req.preemptions
+        first = not req.assigned_at
+        req.assigned_at = time.time()
+        if first:
+            self.metrics.queue_wait.observe(req.assigned_at - req.arrival)
+
+    def move(self, req: RequestState, queue: str) -> None:
+        assert req.phase is Phase.QUEUED, (req.id, req.phase)
+        if req.queue == queue:
+            return
+        source = req.queue
+        self._dequeue(req)
+        self._enqueue(req, queue)
+        self.writer.post(self.store.move([req.id, source, queue]))
+        self.on_queued()
+
+    def requeue(self, req: RequestState, queue: str, reason: str) -> None:
+        """Back to the front of a queue, keeping its output (it resumes elsewhere)."""
+        assert req.phase in (Phase.RUNNING, Phase.DETACHED), (req.id, req.phase)
+        owner = req.owner
+        if req.requeues >= self.max_requeues:
+            self._disown(req)
+            self._finish(req, ERROR, f"the request moved between replicas {req.requeues} times "
+                                     f"(last: {reason}); giving up", "")
+            self._write_finish(req)
+            return
+        self._disown(req)
+        req.requeues += 1
+        self._enqueue(req, queue)
+        self.metrics.requeues.labels(reason).inc()
+        self.writer.post(self.store.requeue([req.id, queue, owner, req.assignments, req.requeues]))
+        self.on_queued()
+
+    def detach(self, req: RequestState, deadline: float) -> None:
+        """Its replica's stream went away: it keeps the work until the lease lapses."""
+        assert req.phase is Phase.RUNNING, (req.id, req.phase)
+        req.phase = Phase.DETACHED
+        req.lease_deadline = deadline
+        self._detached[req.id] = req
+
+    def adopt(self, req: RequestState, replica_id: str) -> None:
+        """The owning replica re-registered holding it: it runs on, nothing is recomputed."""
+        assert req.phase in (Phase.RUNNING, Phase.DETACHED) and req.owner == replica_id, req.id
+        req.phase = Phase.RUNNING
+        self._detached.pop(req.id, None)
+
+    # ---- output ----
+    def record_step(self, items, replica_id: str, on_durable: Callable[[], None]) -> None:
+        """Applies validated deltas [(request, delta)] of one StepOutputs; on_durable
+        runs once Redis holds them (the replica may then forget them)."""
+        now = time.time()
+        args: list = []
+        marks = []
+        metrics = self.metrics
+        for req, d in items:
+            assert req.phase is Phase.RUNNING and req.owner == replica_id, (req.id, req.phase)
+            tokens = d.token_ids
+            tok_offset, txt_offset = 4 * len(req.tokens), req.text_bytes
+            ft = fs = ""
+            if tokens:
+                if req.first_token_at:
+                    metrics.tbt.observe(now - req.last_token_at)
+                else:
+                    metrics.ttft.observe(now - req.arrival)
+                    req.first_token_at = now
+                    ft = repr(now)
+                req.tokens.extend(tokens)
+                req.last_token_at = now
+            text = d.text.encode() if d.text else b""
+            if text:
+                req.parts.append(d.text)
+                req.text_bytes += len(text)
+            if d.first_scheduled_at and not req.first_scheduled_at:
+                req.first_scheduled_at = d.first_scheduled_at
+                fs = repr(d.first_scheduled_at)
+            if d.preemptions:
+                req.preemptions = req.preemption_base + d.preemptions
+            packed = pack_tokens(tokens) if tokens else b""
+            if d.HasField("finish_reason"):
+                req.replica_id = replica_id
+                self._disown(req)
+                self._finish(req, d.finish_reason, d.error, "")
+                args += (req.id, tok_offset, packed, txt_offset, text, ft, fs, 1, req.finish_reason,
+                         req.error, req.replica_id, repr(req.finished_at), req.preemptions)
+            else:
+                args += (req.id, tok_offset, packed, txt_offset, text, ft, fs, 0, "", "", "", "", "")
+            marks.append((req, len(req.tokens), len(req.parts), req.finished))
+        if self.writer.stalled:
+            for req, n_tok, n_parts, finished in marks:
+                self._show(req, n_tok, n_parts, finished)
+
+        def durable(_reply) -> None:
+            for req, n_tok, n_parts, finished in marks:
+                self._show(req, n_tok, n_parts, finished)
+                if finished:
+                    self._forget_finished(req)
+            on_durable()
+
+        write = self.store.step(args) if args else self.store.barrier(None)
+        write.on_done = durable
+        self.writer.post(write)
+
+    def _show(self, req: RequestState, n_tok: int, n_parts: int, finished: bool) -> None:
+        req.visible_tokens = max(req.visible_tokens, n_tok)
+        req.visible_parts = max(req.visible_parts, n_parts)
+        req.finish_visible = req.finish_visible or finished
+        req.notify()
+
+    def on_stall(self, stalled: bool) -> None:
+        """Redis is slow: show clients what arrived (see request.py)."""
+        if stalled:
+            for req in self.requests.values():
+                self._show(req, len(req.tokens), len(req.parts), req.finished)
+
+    # ---- endings ----
+    def _finish(self, req: RequestState, reason: int, error: str, _source: str) -> None:
+        if req.phase is Phase.QUEUED:
+            self._dequeue(req)
+        now = time.time()
+        req.phase = Phase.FINISHED
+        req.finish_reason, req.error, req.finished_at = reason, error, now
+        self.metrics.finished_with(reason).inc()
+        self.metrics.e2e.observe(now - req.arrival)
+
+    def _forget_finished(self, req: RequestState) -> None:
+        if self.requests.get(req.id) is req:
+            del self.requests[req.id]
+
+    def _write_finish(self, req: RequestState) -> None:
+        fields = {"fr": req.finish_reason, "err": req.error, "rep": req.replica_id,
+                  "fin": repr(req.finished_at), "pre": req.preemptions}
+        if self.writer.stalled:
+            self._show(req, len(req.tokens), len(req.parts), True)
+
+        def durable(_reply) -> None:
+            self._show(req, len(req.tokens), len(req.parts), True)
+            self._forget_finished(req)
+
+        self.writer.post(self.store.finish(req.id, fields)).on_done = durable
+
+    def fail(self, req: RequestState, error: str) -> None:
+        """Ends a live request with FINISH_REASON_ERROR (what the client is told: error)."""
+        assert req.live, req.id
+        if req.owner is not None:
+            self.on_cancel_running(req.owner, req.id)
+            self._disown(req)
+        self._finish(req, ERROR, error, "")
+        self._write_finish(req)
+
+    def cancel(self, rid: str, source: str) -> bool:
+        req = self.requests.get(rid)
+        if req is None or not req.live:
+            return False
+        if req.owner is not None:
+            self.on_cancel_running(req.owner, rid)
+            self._disown(req)
+        self._finish(req, CANCELLED, "", source)
+        self.metrics.cancellations.labels(source).inc()
+        self._write_finish(req)
+        return True
+
+    # ---- client streams ----
+    def subscribe(self, req: RequestState, interval: int) -> Subscriber:
+        return req.subscribe(interval)
+
+    def unsubscribe(self, req: RequestState, sub: Subscriber) -> None:
+        """The last stream of an unfinished request going away cancels it,
+        unless the router itself is ending the streams (shutdown)."""
+        req.unsubscribe(sub)
+        if req.live and not req.subscribers and not self.stopping and not sub.detached:
+            self.cancel(req.id, "disconnect")
+
+    def detach_clients(self, reason: str) -> None:
+        """Shutdown: ends every client stream with `reason`, cancelling nothing."""
+        self.stopping = True
+        for req in self.requests.values():
+            for sub in req.subscribers:
+                sub.detached = reason
+                sub.event.set()
+
+
+def _spec_json(spec: RequestSpec) -> str:
+    import json
+
+    return json.dumps(sampling_fields(spec.sampling), separators=(",", ":"))

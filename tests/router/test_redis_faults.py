@@ -1,0 +1,260 @@
+"""Redis faults under a live router: replies lost after Redis ran the command,
+stalls, and writes held in flight. Faults are injected by a TCP proxy between
+the router and a real Redis (tests/support/fault_proxy.py), so the router's
+own code runs unchanged."""
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from common.pb.quadriga.v1 import generation_pb2 as gpb
+from router.persistence import lua
+from router.persistence.resp import Script
+from tests.router.test_scheduling import wait_until
+from tests.support.fault_proxy import FaultProxy
+from tests.support.router_harness import (Replicas, client, collect, make_config, request,
+                                          running_router, tokens_of)
+from tests.support.scripted_replica import expected_tokens
+
+SUBMIT, POP, STEP, REQUEUE = (Script(s).sha.encode() for s in (lua.SUBMIT, lua.POP, lua.STEP,
+                                                               lua.REQUEUE))
+
+
+@pytest.fixture
+def proxy(redis_server):
+    redis_server.flushall()
+    p = FaultProxy(redis_server.port).start()
+    yield p
+    p.release()
+    p.stop()
+
+
+async def keys_without_ttl(store) -> list[str]:
+    out = []
+    async for key in store.redis.scan_iter(match=f"{store.prefix}*"):
+        name = key.decode()[len(store.prefix):]
+        if name not in ("seq", "live") and await store.redis.ttl(key) < 0:
+            out.append(name)
+    return out
+
+
+async def assert_clean(app):
+    """Every request finished: nothing queued, in flight or live; everything expires."""
+    await app.writer.drain(5)
+    assert await keys_without_ttl(app.store) == []
+    assert await app.store.redis.zcard(app.store.inflight_key) == 0
+    assert await app.store.live_ids() == []
+
+
+def test_submit_whose_reply_is_lost_is_stored_once(proxy, tiny_model, arun):
+    async def scenario():
+        async with running_router(make_config(proxy.url, tiny_model)) as app:
+            vocab = app.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            await reps.add("r0")
+            proxy.drop_reply_after(SUBMIT)
+            async with client(app.address) as stub:
+                msgs = await collect(stub, request([4], 6, request_id="s"))
+            assert tokens_of(msgs) == expected_tokens([4], 6, vocab)
+            assert proxy.dropped == 1
+            assert app.metrics.accepted._value.get() == 1
+            assert len(reps["r0"].rec.assignments) == 1
+            await reps.close()
+            await assert_clean(app)
+
+    arun(scenario())
+
+
+def test_submit_past_its_deadline_is_unavailable_and_a_retry_starts_afresh(proxy, tiny_model, arun):
+    """Redis runs the submit but says nothing for longer than submit_timeout: the
+    client is told UNAVAILABLE, and retrying the same request_id later works
+    (no ghost record is left to block it)."""
+    async def scenario():
+        cfg = make_config(proxy.url, tiny_model, redis_timeout=0.3, submit_timeout=0.8)
+        async with running_router(cfg) as app:
+            vocab = app.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            await reps.add("r0")
+            async with client(app.address) as stub:
+                proxy.hold(SUBMIT)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await collect(stub, request([5], 4, request_id="g"), timeout=10)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "Redis" in err.value.details() and "retry" in err.value.details()
+                proxy.release()
+                await wait_until(lambda: not app.table.withdrawing("g"), timeout=10)
+                msgs = await collect(stub, request([5], 4, request_id="g"), timeout=10)
+            assert tokens_of(msgs) == expected_tokens([5], 4, vocab)
+            assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
+            await reps.close()
+            await assert_clean(app)
+
+    arun(scenario())
+
+
+def test_pop_whose_reply_is_lost_still_assigns_once(proxy, tiny_model, arun):
+    async def scenario():
+        async with running_router(make_config(proxy.url, tiny_model)) as app:
+            vocab = app.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            rep = await reps.add("r0")
+            proxy.drop_reply_after(POP)
+            async with client(app.address) as stub:
+                msgs = await collect(stub, request([6], 5, request_id="p"))
+            assert tokens_of(msgs) == expected_tokens([6], 5, vocab)
+            assert [a.request_id for a in rep.rec.assignments] == ["p"]
+            assert msgs[-1].timings.requeues == 0
+            await reps.close()
+            await assert_clean(app)
+
+    arun(scenario())
+
+
+@pytest.mark.parametrize("lost_step", [1, 4], ids=["mid-stream", "finishing-step"])
+def test_step_write_whose_reply_is_lost_drops_no_one(proxy, tiny_model, arun, lost_step):
+    """The replica stays, nothing is requeued, the client gets every token once
+    and the finish; a re-attach afterwards replays the same output from Redis."""
+    async def scenario():
+        async with running_router(make_config(proxy.url, tiny_model)) as app:
+            vocab = app.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            rep = await reps.add("r0", step_delay=0.05)
+            session = app.registry.get("r0")
+            proxy.drop_reply_after(STEP, skip=lost_step)
+            async with client(app.address) as stub:
+                req = request([7], 5, request_id="w")
+                msgs = await collect(stub, req, timeout=20)
+                assert tokens_of(msgs) == expected_tokens([7], 5, vocab)
+                assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
+                assert msgs[-1].timings.requeues == 0
+                again = await collect(stub, req, timeout=20)
+                assert tokens_of(again) == expected_tokens([7], 5, vocab)
+            assert proxy.dropped == 1
+            assert app.registry.get("r0") is session and rep.rec.errors == []
+            assert app.metrics.requeues.labels("replica_gone")._value.get() == 0
+            await reps.close()
+            await assert_clean(app)
+
+    arun(scenario())
+
+
+def test_requeue_whose_reply_is_lost_resumes_exactly(proxy, tiny_model, arun):
+    async def scenario():
+        cfg = make_config(proxy.url, tiny_model, lease_ttl=1.0, heartbeat_interval=0.25)
+        async with running_router(cfg) as app:
+            vocab = app.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            await reps.add("r0", step_delay=0.05)
+            async with client(app.address) as stub:
+                t = asyncio.create_task(collect(stub, request([5], 30, request_id="k"), timeout=20))
+                await wait_until(lambda: "k" in app.table.requests
+                                 and len(app.table.requests["k"].tokens) >= 3)
+                proxy.drop_reply_after(REQUEUE)
+                await reps.kill("r0")
+                await reps.add("r1", step_delay=0.01)
+                msgs = await t
+            assert tokens_of(msgs) == expected_tokens([5], 30, vocab)
+            assert msgs[-1].timings.replica_id == "r1" and msgs[-1].timings.requeues == 1
+            assert proxy.dropped == 1
+            await reps.close()
+            await assert_clean(app)
+
+    arun(scenario())
+
+
+def test_cancel_while_a_step_write_is_held_leaks_no_key(proxy, tiny_model, arun):
+    async def scenario():
+        async with running_router(make_config(proxy.url, tiny_model)) as app:
+            reps = Replicas(app.address, app.limits.vocab_size)
+            await reps.add("r", step_delay=0.05)
+            async with client(app.address) as stub:
+                proxy.hold(STEP)
+                t = asyncio.create_task(collect(stub, request([3], 50, request_id="c")))
+                await asyncio.to_thread(proxy.held.wait, 10)
+                assert (await stub.Cancel(gpb.CancelRequest(request_id="c"))).cancelled
+                proxy.release()
+                msgs = await t
+                assert msgs[-1].finish_reason == gpb.FINISH_REASON_CANCELLED
+            await reps.close()
+            await assert_clean(app)
+
+    arun(scenario())
+
+
+def test_replica_leaving_while_a_submit_to_its_queue_is_in_flight(proxy, tiny_model, arun):
+    """round_robin binds a request to r0's queue; r0 goes away before the submit
+    is durable: the request still runs (on r1), not left in r0's queue."""
+    async def scenario():
+        cfg = make_config(proxy.url, tiny_model, policy="round_robin")
+        async with running_router(cfg) as app:
+            reps = Replicas(app.address, app.limits.vocab_size)
+            await reps.add("r0")
+            await reps.add("r1")
+            proxy.hold(SUBMIT)
+            async with client(app.address) as stub:
+                t = asyncio.create_task(collect(stub, request([4], 5, request_id="s"), timeout=10))
+                await asyncio.to_thread(proxy.held.wait, 10)
+                assert app.table.requests["s"].queue == "r:r0"
+                await reps.kill("r0")
+                await wait_until(lambda: app.registry.get("r0") is None)
+                proxy.release()
+                msgs = await t
+                assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
+                assert msgs[-1].timings.replica_id == "r1"
+            await reps.close()
+            await assert_clean(app)
+
+    arun(scenario())
+
+
+def test_redis_stall_pauses_nothing_shown_and_turns_new_work_away(proxy, tiny_model, arun):
+    """Redis stops answering for 2 s mid-stream: streams go on from memory (no
+    client waits more than the stall threshold plus a step), new requests get
+    UNAVAILABLE once a whole deadline has passed, and everything lands once
+    Redis is back."""
+    async def scenario():
+        cfg = make_config(proxy.url, tiny_model, redis_timeout=0.5, submit_timeout=0.5,
+                          stall_after=0.3)
+        async with running_router(cfg) as app:
+            vocab = app.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            await reps.add("r0", step_delay=0.02, capacity=8)
+            gaps: dict[str, float] = {}
+
+            async def follow(stub, rid, prompt):
+                msgs, last = [], time.monotonic()
+                async for m in stub.Generate(request(prompt, 150, request_id=rid), timeout=30):
+                    now = time.monotonic()
+                    gaps[rid] = max(gaps.get(rid, 0.0), now - last)
+                    last = now
+                    msgs.append(m)
+                return msgs
+
+            async with client(app.address) as stub:
+                prompts = {f"s{i}": [i + 1] for i in range(4)}
+                tasks = [asyncio.create_task(follow(stub, rid, p)) for rid, p in prompts.items()]
+                await wait_until(lambda: all(rid in app.table.requests and
+                                             len(app.table.requests[rid].tokens) > 5 for rid in prompts))
+                proxy.hold()
+                await asyncio.sleep(1.0)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await collect(stub, request([9], 3, request_id="late"), timeout=10)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                await asyncio.sleep(1.0)
+                proxy.release()
+                results = await asyncio.gather(*tasks)
+                for (rid, p), msgs in zip(prompts.items(), results):
+                    assert tokens_of(msgs) == expected_tokens(p, 150, vocab), rid
+                    again = await collect(stub, request(p, 150, request_id=rid))
+                    assert tokens_of(again) == expected_tokens(p, 150, vocab), rid
+                late = await collect(stub, request([9], 3, request_id="late"))
+                assert tokens_of(late) == expected_tokens([9], 3, vocab)
+            # Served from memory during the stall: no stream waited for Redis.
+            assert max(gaps.values()) < 1.0, gaps
+            assert app.registry.get("r0") is not None
+            await reps.close()
+            await assert_clean(app)
+
+    arun(scenario())
