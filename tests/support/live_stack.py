@@ -33,10 +33,12 @@ class LiveStack:
         ], self.log_dir)
         wait_for_health(self.address, self.router, timeout=60)
 
-    def start_replica(self, replica_id: str, *args: str, wait: bool = True) -> Child:
+    def start_replica(self, replica_id: str, *args: str, wait: bool = True,
+                      router: str | None = None) -> Child:
+        """router: the address it dials (default the router's; a fault proxy, say)."""
         child = Child(replica_id, [
-            "-m", "replica_worker", "--router", self.address, "--model", self.model,
-            "--replica-id", replica_id, *args,
+            "-m", "replica_worker", "--router", router or self.address, "--model", self.model,
+            "--replica-id", replica_id, "--threads", "1", *args,
         ], self.log_dir)
         self.replicas[replica_id] = child
         if wait:
@@ -53,6 +55,16 @@ class LiveStack:
                 raise RuntimeError(f"{replica_id} exited:\n{child.tail()}")
             time.sleep(0.05)
         raise RuntimeError(f"{replica_id} did not register:\n{child.tail()}")
+
+    def replica_failures(self) -> list[str]:
+        """Replicas that exited, or logged a traceback: neither may happen in a fault test."""
+        bad = []
+        for name, child in self.replicas.items():
+            if not child.alive():
+                bad.append(f"{name} exited with {child.proc.returncode}")
+            elif "Traceback" in child.log_path.read_text(errors="replace"):
+                bad.append(f"{name} logged a traceback:\n{child.tail(40)}")
+        return bad
 
     def stop(self) -> None:
         for child in self.replicas.values():
