@@ -7,6 +7,7 @@ embeds, so a fresh machine with only the Python packages can still run it.
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -39,10 +40,15 @@ def redis_server_binary(prefer_embedded: bool = False) -> str:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, port: int | None = None, prefer_embedded: bool = False):
+    """appendonly: persist every write to an append-only file in workdir, so
+    kill() then start() on the same workdir comes back with the same data."""
+
+    def __init__(self, workdir: Path, port: int | None = None, prefer_embedded: bool = False,
+                 appendonly: bool = False):
         self.workdir = Path(workdir)
         self.port = port or free_port()
         self.binary = redis_server_binary(prefer_embedded)
+        self.appendonly = appendonly
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -57,7 +63,8 @@ class RedisServer:
                 "--port", str(self.port),
                 "--bind", "127.0.0.1",
                 "--save", "",
-                "--appendonly", "no",
+                "--appendonly", "yes" if self.appendonly else "no",
+                "--appendfsync", "everysec",
                 "--dir", str(self.workdir),
             ],
             stdout=subprocess.DEVNULL,
@@ -84,6 +91,19 @@ class RedisServer:
         import redis
 
         redis.Redis(port=self.port).flushall()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: an append-only file keeps what was written."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def pause(self) -> None:
+        """SIGSTOP: the server stalls with its connections open."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -28,6 +28,9 @@ import math
 import sys
 
 import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from router.persistence import lua
 from router.persistence.resp import LeanRedis
@@ -55,8 +58,12 @@ def unpack_tokens(data: bytes | None) -> list[int]:
 
 class Store:
     def __init__(self, url: str, prefix: str, result_ttl: float, timeout: float):
-        self.redis = aioredis.from_url(url, decode_responses=False, socket_timeout=timeout,
-                                       socket_connect_timeout=timeout)
+        # Reads only (every write goes through the writer), so retrying them is safe:
+        # a pooled connection from before a Redis restart fails once, then reconnects.
+        self.redis = aioredis.from_url(
+            url, decode_responses=False, socket_timeout=timeout, socket_connect_timeout=timeout,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
+            retry_on_error=[redis_errors.ConnectionError, redis_errors.TimeoutError])
         self.prefix = prefix
         self.ttl = max(1, math.ceil(result_ttl))
         pool = self.redis.connection_pool
