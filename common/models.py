@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -101,6 +102,7 @@ def ensure_smollm2(out_dir: str | Path | None = None) -> Path:
     stamp = _stamp(gguf)
     if is_complete(out, stamp):
         return out
+    _refuse_foreign(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
@@ -121,15 +123,17 @@ def _make_readable(folder: Path) -> None:
         path.chmod(0o644)
 
 
+def _refuse_foreign(out: Path) -> None:
+    """Only an empty folder or an earlier build of ours is ever replaced."""
+    if out.is_dir() and not (out / STAMP).exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not a model folder built here; "
+                              "remove it or choose another folder")
+
+
 def _move_into_place(tmp: Path, out: Path, stamp: dict) -> None:
     if out.exists() and not is_complete(out, stamp):
-        if (out / STAMP).exists():
-            shutil.rmtree(out)  # an earlier build from another source
-        elif any(out.iterdir()):
-            raise FileExistsError(f"{out} exists and is not a model folder built here; "
-                                  "remove it or choose another folder")
-        else:
-            out.rmdir()
+        _refuse_foreign(out)
+        shutil.rmtree(out)  # empty, or an earlier build from another source
     try:
         os.rename(tmp, out)
     except OSError:
@@ -137,17 +141,18 @@ def _move_into_place(tmp: Path, out: Path, stamp: dict) -> None:
             raise
 
 
-BUILDERS = {"smollm2": ensure_smollm2}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m common.models",
                                      description="Build a real small model folder offline.")
-    parser.add_argument("model", choices=sorted(BUILDERS))
-    parser.add_argument("out_dir", nargs="?", help="default: the model cache (QUADRIGA_MODEL_CACHE)")
+    parser.add_argument("model", choices=["smollm2"])
+    parser.add_argument("out_dir", nargs="?", help="default: smollm2/ in the model cache "
+                                                   "(QUADRIGA_MODEL_CACHE, else .cache/models)")
     args = parser.parse_args(argv)
+    out = Path(args.out_dir) if args.out_dir else default_cache_dir() / "smollm2"
     try:
-        print(BUILDERS[args.model](args.out_dir))
+        if not is_complete(out, _stamp(smollm2_gguf())):
+            print(f"building SmolLM2-135M-Instruct (float32) into {out}, once", file=sys.stderr)
+        print(ensure_smollm2(out))
     except ModelSourceMissing as exc:
         parser.exit(2, f"{exc}\n")
     return 0
