@@ -90,3 +90,12 @@ def test_unknown_command_is_refused_with_the_list():
     done = _quadriga("nope")
     assert done.returncode == 2
     assert "unknown command 'nope'" in done.stderr and "serve" in done.stderr
+
+
+def test_every_metric_name_is_documented():
+    sources = [ROOT / "router" / "metrics.py", ROOT / "replica_worker" / "worker" / "metrics.py"]
+    names = {n for p in sources for n in re.findall(r'"((?:quadriga_|vllm:)[a-z_:]+)"', p.read_text())}
+    assert len(names) > 20
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    missing = sorted(n for n in names if f"`{n}`" not in doc)
+    assert not missing, f"not in docs/metrics.md: {missing}"
