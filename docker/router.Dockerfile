@@ -8,11 +8,13 @@ FROM ${PYTHON_IMAGE} AS deps
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY requirements.txt .
-# Only the router's runtime dependencies, at the versions requirements.txt pins.
+COPY pyproject.toml .
+COPY scripts/pyproject_deps.py scripts/
+# Only the router's runtime dependencies, at the versions pyproject.toml pins.
 RUN python -m venv /opt/venv \
-    && grep -E '^(grpcio|grpcio-health-checking|grpcio-reflection|protobuf|redis|transformers|tokenizers|prometheus-client|uvloop)([=<>~![ ]|$)' \
-       requirements.txt > /tmp/requirements-router.txt \
+    && python scripts/pyproject_deps.py core \
+       --only grpcio,grpcio-health-checking,grpcio-reflection,protobuf,redis,transformers,tokenizers,prometheus-client,uvloop \
+       > /tmp/requirements-router.txt \
     && /opt/venv/bin/pip install --no-cache-dir -r /tmp/requirements-router.txt
 
 # Fails the build when the committed protocol stubs are stale. grpcio-tools
@@ -22,7 +24,7 @@ COPY protos/ protos/
 COPY common/ common/
 COPY scripts/gen_protos.py scripts/
 RUN python -m venv --system-site-packages /opt/check \
-    && grep -E '^(grpcio-tools|protobuf)([=<>~![ ]|$)' requirements.txt > /tmp/requirements-check.txt \
+    && python scripts/pyproject_deps.py core test --only grpcio-tools,protobuf > /tmp/requirements-check.txt \
     && /opt/check/bin/pip install --no-cache-dir -r /tmp/requirements-check.txt \
     && /opt/check/bin/python scripts/gen_protos.py --check \
     && touch /tmp/stubs-ok

