@@ -60,7 +60,7 @@ class ReplicaWorker:
         self.draining = False
         self._drain_deadline = float("inf")
         self._done = asyncio.Event()
-        self.metrics = ReplicaMetrics()
+        self.metrics = ReplicaMetrics(config.model_name)
 
     # ---- engine thread -> event loop ----
     def _on_report_from_thread(self, report: EngineReport) -> None:

@@ -2,6 +2,8 @@
 replica serving SmolLM2-135M-Instruct answer a chat-templated question, token
 for token as transformers' greedy generation, and the replica's metrics count it."""
 
+from pathlib import Path
+
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -61,4 +63,5 @@ def test_smollm2_answers_through_the_stack_as_transformers_does(tmp_path, redis_
     assert value["vllm:inter_token_latency_seconds_count"] == len(tokens) - 1
     assert value["vllm:num_requests_running"] == value["vllm:num_requests_waiting"] == 0
     assert value["vllm:kv_cache_usage_perc"] == 0
-    assert all("model_name" in labels for labels, _ in samples.values())
+    served = Path(model).name  # the replica's default model name: the folder's
+    assert {labels.get("model_name") for labels, _ in samples.values()} == {served}
