@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 
 from router.config import load_config
@@ -27,5 +28,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """After a stop, everything is durable and every stream has ended: skip the
+    interpreter's teardown of torch and transformers (over a second), so a
+    successor router takes over sooner."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -40,11 +40,18 @@ class Admission:
         self.stopping = False
         self.waiting_for_replica = 0
         self.executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
-        self.tokenizer = None
+        self._tokenizer: asyncio.Future | None = None
 
-    async def start(self) -> None:
+    def start(self) -> None:
+        """Starts loading the tokenizer without waiting for it: loading transformers
+        takes seconds, and a restarted router must take replicas and re-attaches
+        at once; only a new text prompt waits for it."""
         loop = asyncio.get_running_loop()
-        self.tokenizer = await loop.run_in_executor(self.executor, load_tokenizer, self.config.model)
+        self._tokenizer = loop.run_in_executor(self.executor, load_tokenizer, self.config.model)
+        self._tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def tokenizer(self):
+        return await asyncio.shield(self._tokenizer)
 
     def stop(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -118,7 +125,8 @@ class Admission:
     async def _tokenize(self, prompt: str) -> list[int]:
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self.executor, self.tokenizer.encode, prompt)
+            tokenizer = await self.tokenizer()
+            return await loop.run_in_executor(self.executor, tokenizer.encode, prompt)
         except Exception as exc:  # a tokenizer failure is answered, never swallowed
             raise RouterError(grpc.StatusCode.INTERNAL, f"tokenizing the prompt failed: {exc}",
                               "tokenizer") from exc

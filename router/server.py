@@ -93,7 +93,7 @@ class RouterApp:
         return self.admission.stopping
 
     async def start(self) -> int:
-        await self.admission.start()
+        self.admission.start()
         await self.store.ping()
         self.writer.start()
         await recover(self.table, self.store, self.writer, self.config.lease_ttl)

@@ -25,7 +25,9 @@ class WorkerConfig:
     # while another replica is idle, so the default is none.
     prefetch: int = 0
     reconnect_min_s: float = 0.2
-    reconnect_max_s: float = 5.0
+    # Short: after a router restart its replicas should be back within a second
+    # (a reconnect attempt costs next to nothing).
+    reconnect_max_s: float = 1.0
     drain_timeout_s: float = 30.0    # on SIGTERM: finish running work for this long, then hand back
     metrics_port: int = 0            # Prometheus endpoint; 0: none
     threads: int = 0                 # torch CPU threads; 0: torch's default (all cores)

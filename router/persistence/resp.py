@@ -121,7 +121,9 @@ class LeanRedis:
         try:
             for reply in await self._round_trip(proto, setup):
                 if isinstance(reply, hiredis.ReplyError):
-                    raise ReplyError(str(reply))
+                    # LOADING after a restart, a wrong password: the connection is
+                    # unusable either way, so it fails as a connection does.
+                    raise ConnectionError(f"Redis refused the connection's set-up: {reply}")
         except BaseException:
             proto.abort(ConnectionError)
             raise

@@ -143,10 +143,13 @@ class RedisWriter:
             self._arm_stall_timer()
             try:
                 replies = await self._send(batch)
-            except (ConnectionError, TimeoutError, OSError, _TransientReply) as exc:
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # connection, deadline, a transient reply: never fatal here
                 if self.failing_since is None:
                     self.failing_since = started
-                    log.warning("Redis write failed (%s); retrying until Redis answers", exc)
+                    log.warning("Redis write failed (%s: %s); retrying until Redis answers",
+                                type(exc).__name__, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
                 continue
