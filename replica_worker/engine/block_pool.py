@@ -56,6 +56,9 @@ class BlockPool:
     def refcount(self, block_id: int) -> int:
         return self._refs[block_id]
 
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._hash_of
+
     def is_evictable(self, block_id: int) -> bool:
         return block_id in self._evictable
 

@@ -97,6 +97,7 @@ class LLM:
                 text="".join(texts[rid]),
                 finish_reason=reasons[rid],
                 metrics=RequestMetrics.of(seqs[rid]),
+                num_cached_tokens=seqs[rid].num_cached_tokens,
             )
             for rid in order
         ]

@@ -66,11 +66,16 @@ def check_invariants(sched: BaseScheduler, out: SchedulerOutput) -> None:
         seen.add(seq.seq_id)
         assert 0 < chunk.num_tokens <= seq.num_uncomputed_tokens
         assert len(seq.block_ids) * bm.block_size >= seq.num_computed_tokens + chunk.num_tokens
+        written = seq.block_ids[seq.num_computed_tokens // bm.block_size:
+                                bm.blocks_needed(seq.num_computed_tokens + chunk.num_tokens)]
+        for block_id in written:
+            assert bm.pool.refcount(block_id) == 1 and not bm.pool.is_cached(block_id), "writes a shared block"
         assert seq.status is SequenceStatus.RUNNING and seq in sched.running
         if seq.in_prefill:
             assert not prefill_done, "prefill chunk after a decode"
         else:
             prefill_done = True
+    assert not seen & {s.seq_id for s in out.preempted}, "preempted and scheduled in one step"
     assert out.num_batched_tokens <= sched.budget
     assert len(sched.running) <= sched.max_num_seqs
     for seq in sched.waiting:
