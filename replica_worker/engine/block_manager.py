@@ -1,12 +1,26 @@
 """Paged KV cache bookkeeping: which physical blocks each sequence holds.
 
 Invariants:
-- every block id is either on the free list or held by exactly one sequence;
+- every block is free, evictable (cached, held by nobody) or referenced
+  (block_pool.py); free + evictable is what admission counts as available;
 - a holding sequence's block_ids cover its KV cache: len(block_ids) * block_size
   >= num_computed_tokens (and >= whatever the scheduler promised this step);
-- free() returns every held block; freeing twice, or freeing blocks the manager
-  did not hand out, is an AssertionError (it would corrupt another sequence's
-  cache, so it must never pass silently).
+- a block shared by several sequences is a full cached block that none of
+  them writes: a sequence only ever writes tokens at or past the
+  num_computed_tokens it was admitted with, and its shared blocks all lie before;
+- free() returns every held reference; freeing twice, or freeing a block
+  table the manager did not hand out, is an AssertionError (it would corrupt
+  another sequence's cache, so it must never pass silently).
+
+Prefix caching (on unless disabled): once a full block's tokens are computed
+the block gets its content hash and stays cached after its sequences are
+done, until its memory is needed (least recently released first). A newly
+admitted sequence (a preempted or resumed one too) starts from its longest
+chain of cached full blocks, num_computed_tokens = the cached tokens. Its last
+known token is always computed, so that the step has logits to sample from;
+a cached block holding that token is not reused, since its slot would be
+written again while other sequences may read it (a context of an exact
+multiple of the block size recomputes its last block).
 
 Two variants, as in Sarathi-Serve's baselines:
 - BlockManager allocates on demand: the current context at admission, then a
@@ -17,11 +31,25 @@ Two variants, as in Sarathi-Serve's baselines:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from common.block_hash import BlockHasher
+from replica_worker.engine.block_pool import BlockPool
+from replica_worker.engine.kv_events import KVCacheEvents, PrefixCacheStats
 from replica_worker.engine.sequence import Sequence
 
 
+@dataclass
+class _Holding:
+    block_ids: list[int]  # the very list handed to the sequence as seq.block_ids
+    num_cached: int  # leading blocks already in the cache (hits, or cached once computed)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, watermark: float = 0.01,
+        enable_prefix_caching: bool = True, hash_salt: bytes = b"",
+    ) -> None:
         assert num_blocks > 0 and block_size > 0, (num_blocks, block_size)
         assert 0.0 <= watermark < 1.0, watermark
         self.block_size = block_size
@@ -29,19 +57,27 @@ class BlockManager:
         # Headroom kept free when admitting, so that admitting a prompt does not
         # immediately force running sequences' next decodes into preemption.
         self.watermark_blocks = int(watermark * num_blocks)
-        # Popped from the end: a fresh manager hands out 0, 1, 2, ...
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._held: set[int] = set()
-        self._holders: set[str] = set()
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hasher = BlockHasher(block_size, hash_salt)
+        self._pool = BlockPool(num_blocks)
+        self._holdings: dict[str, _Holding] = {}
+        self._queries = 0
+        self._hits = 0
 
     # ---- sizes ----
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks admission and growth may take: free ones and evictable cached ones."""
+        return self._pool.num_available
 
     @property
     def num_total_blocks(self) -> int:
         return self._num_total_blocks
+
+    @property
+    def pool(self) -> BlockPool:
+        """Read-only by convention: refcounts and cache state, for reports and tests."""
+        return self._pool
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-max(num_tokens, 0) // self.block_size)
@@ -55,21 +91,76 @@ class BlockManager:
         return self.blocks_needed(self.initial_num_tokens(seq))
 
     def is_allocated(self, seq: Sequence) -> bool:
-        return seq.seq_id in self._holders
+        return seq.seq_id in self._holdings
+
+    # ---- the prefix cache ----
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks allocate() would reuse for seq now: its longest
+        cached chain of full blocks that ends before its last known token."""
+        if not self.enable_prefix_caching:
+            return []
+        reusable = (seq.num_tokens - 1) // self.block_size
+        return self._pool.lookup(self._hashes(seq, reusable)[:reusable])
+
+    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
+        """What allocate() would set num_computed_tokens to, were seq admitted now."""
+        return len(self.cached_prefix(seq)) * self.block_size
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """seq.block_hashes, extended to at least num_blocks full blocks. Tokens
+        are only ever appended, so hashes once computed stay valid."""
+        known = seq.block_hashes
+        if len(known) < num_blocks:
+            start = len(known) * self.block_size
+            tokens = seq.token_ids[start : num_blocks * self.block_size]
+            known.extend(self.hasher.hashes(tokens, parent=known[-1] if known else None))
+        return known
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Gives seq's newly full, computed blocks their content addresses, so
+        that later sequences (and this one after a preemption) can reuse them.
+        The engine calls it once the step's KV is written."""
+        holding = self._holdings.get(seq.seq_id)
+        if not self.enable_prefix_caching or holding is None:
+            return
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        if full <= holding.num_cached:
+            return
+        hashes = self._hashes(seq, full)
+        for i in range(holding.num_cached, full):
+            self._pool.cache(holding.block_ids[i], hashes[i])
+        holding.num_cached = full
 
     # ---- admission ----
+    def _blocks_taken(self, seq: Sequence, hits: list[int]) -> int:
+        """Available blocks that admitting seq uses up: new ones, and cached
+        hits that nobody holds (they stop being evictable)."""
+        evictable_hits = sum(1 for b in hits if self._pool.is_evictable(b))
+        return self.initial_blocks(seq) - len(hits) + evictable_hits
+
     def can_allocate(self, seq: Sequence, use_watermark: bool = True) -> bool:
         """use_watermark=False is for admitting into an otherwise idle cache,
         where there is no running sequence for the headroom to protect."""
         reserve = self.watermark_blocks if use_watermark else 0
-        return self.num_free_blocks - self.initial_blocks(seq) >= reserve
+        return self.num_free_blocks - self._blocks_taken(seq, self.cached_prefix(seq)) >= reserve
 
     def allocate(self, seq: Sequence) -> None:
+        """Blocks for seq's whole initial context; its cached prefix is reused
+        and counts as computed."""
         assert not self.is_allocated(seq) and not seq.block_ids, f"{seq} already holds blocks"
-        needed = self.initial_blocks(seq)
-        assert needed <= self.num_free_blocks, f"allocate without can_allocate: {seq}"
-        seq.block_ids = self._take(needed)
-        self._holders.add(seq.seq_id)
+        assert seq.num_computed_tokens == 0, f"allocate for a sequence with KV already: {seq}"
+        hits = self.cached_prefix(seq)
+        assert self._blocks_taken(seq, hits) <= self.num_free_blocks, f"allocate without can_allocate: {seq}"
+        for block_id in hits:  # before take(), which could evict them otherwise
+            self._pool.ref(block_id)
+        seq.block_ids = hits + self._pool.take(self.initial_blocks(seq) - len(hits))
+        self._holdings[seq.seq_id] = _Holding(seq.block_ids, len(hits))
+        seq.num_computed_tokens = len(hits) * self.block_size
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        if self.enable_prefix_caching:
+            self._queries += seq.num_tokens
+            self._hits += seq.num_computed_tokens
 
     # ---- growth ----
     def _extra_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -84,22 +175,31 @@ class BlockManager:
         assert self.is_allocated(seq), f"append to a sequence without blocks: {seq}"
         extra = self._extra_blocks(seq, num_new_tokens)
         assert extra <= self.num_free_blocks, f"append without can_append: {seq}"
-        seq.block_ids.extend(self._take(extra))
+        seq.block_ids.extend(self._pool.take(extra))
 
     # ---- release ----
     def free(self, seq: Sequence) -> None:
-        assert self.is_allocated(seq), f"double free (or never allocated): {seq}"
-        for block_id in seq.block_ids:
-            assert block_id in self._held, f"block {block_id} of {seq} is not held"
-            self._held.remove(block_id)
-            self._free.append(block_id)
-        self._holders.remove(seq.seq_id)
+        """Releases seq's blocks; its computed full blocks stay cached. The
+        tail goes first, so that eviction takes a chain's end before its start
+        (a block is only reachable through its whole prefix)."""
+        holding = self._holdings.get(seq.seq_id)
+        assert holding is not None, f"double free (or never allocated): {seq}"
+        assert seq.block_ids is holding.block_ids, f"{seq} holds a block table the manager did not hand out"
+        self.cache_computed(seq)
+        for block_id in reversed(holding.block_ids):
+            self._pool.unref(block_id)
+        del self._holdings[seq.seq_id]
         seq.block_ids = []
 
-    def _take(self, n: int) -> list[int]:
-        taken = [self._free.pop() for _ in range(n)]
-        self._held.update(taken)
-        return taken
+    # ---- reports ----
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self._queries, self._hits, self._pool.num_cached)
+
+    def take_kv_events(self) -> KVCacheEvents:
+        return self._pool.events.take()
+
+    def cached_block_hashes(self) -> list[int]:
+        return self._pool.cached_hashes()
 
 
 class ReservingBlockManager(BlockManager):
@@ -107,8 +207,11 @@ class ReservingBlockManager(BlockManager):
     max_model_len) at admission. Nothing grows on demand, so there is nothing
     for a watermark to protect: it is 0, as in Sarathi-Serve's Orca manager."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
-        super().__init__(num_blocks, block_size, watermark=0.0)
+    def __init__(
+        self, num_blocks: int, block_size: int, max_model_len: int,
+        enable_prefix_caching: bool = True, hash_salt: bytes = b"",
+    ) -> None:
+        super().__init__(num_blocks, block_size, 0.0, enable_prefix_caching, hash_salt)
         self.max_model_len = max_model_len
 
     def initial_num_tokens(self, seq: Sequence) -> int:

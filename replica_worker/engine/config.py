@@ -36,13 +36,16 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache. num_blocks wins when given; otherwise the cache is sized
-    from kv_cache_memory_bytes (CPU) or gpu_memory_utilization (CUDA)."""
+    from kv_cache_memory_bytes (CPU) or gpu_memory_utilization (CUDA).
+    enable_prefix_caching keeps computed full blocks for reuse by later
+    requests with the same prefix (block_manager.py)."""
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = 256 << 20
     gpu_memory_utilization: float = 0.9
     watermark: float = 0.01  # fraction of blocks kept free when admitting new prompts
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0, "block_size must be positive")

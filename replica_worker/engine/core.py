@@ -2,6 +2,8 @@
 
 A worker drives it with add_request / abort_request / step; admission_capacity
 says how much more it can take right now (what the worker asks the router for).
+The prefix cache's counters, events and snapshot (prefix_cache_stats,
+take_kv_events, cached_block_hashes, block_hasher) let a router mirror it.
 Not thread-safe: one thread owns an EngineCore.
 """
 
@@ -9,9 +11,11 @@ from __future__ import annotations
 
 import time
 
+from common.block_hash import BlockHasher
 from replica_worker.engine.config import EngineConfig
 from replica_worker.engine.detokenizer import IncrementalDetokenizer
 from replica_worker.engine.errors import InvalidRequestError
+from replica_worker.engine.kv_events import KVCacheEvents, PrefixCacheStats
 from replica_worker.engine.model_runner import ModelRunner
 from replica_worker.engine.outputs import EngineLoad, RequestDelta, StepResult
 from replica_worker.engine.sampling_params import SamplingParams
@@ -125,6 +129,7 @@ class EngineCore:
             seq = chunk.seq
             samples = chunk.samples  # read before advancing num_computed_tokens
             seq.num_computed_tokens += chunk.num_tokens
+            self.scheduler.cache_computed(seq)
             if not samples:
                 continue
             token = next(tokens)
@@ -187,6 +192,29 @@ class EngineCore:
             free_kv_blocks=bm.num_free_blocks,
             total_kv_blocks=bm.num_total_blocks,
         )
+
+    # ---- the prefix cache, for a router that mirrors it ----
+    @property
+    def prefix_caching_enabled(self) -> bool:
+        return self.scheduler.block_manager.enable_prefix_caching
+
+    @property
+    def block_hasher(self) -> BlockHasher:
+        """Scheme name, block size and salt: what a router needs to compute this
+        cache's block hashes from a request's tokens (common/block_hash.py)."""
+        return self.scheduler.block_manager.hasher
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.scheduler.block_manager.prefix_cache_stats()
+
+    def take_kv_events(self) -> KVCacheEvents:
+        """Block hashes stored and evicted since the last call, which it clears.
+        Call it after step(); `cleared` says to replace the mirror by `stored`."""
+        return self.scheduler.block_manager.take_kv_events()
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every block hash the cache holds now (in use or evictable)."""
+        return self.scheduler.block_manager.cached_block_hashes()
 
     @property
     def step_id(self) -> int:

@@ -17,7 +17,8 @@ from replica_worker.engine.outputs import CompletionOutput, RequestMetrics
 from replica_worker.engine.sampling_params import SamplingParams
 
 _MODEL_KEYS = {"dtype", "load_format", "max_model_len", "seed"}
-_CACHE_KEYS = {"block_size", "num_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "watermark"}
+_CACHE_KEYS = {"block_size", "num_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "watermark",
+               "enable_prefix_caching"}
 _SCHEDULER_KEYS = {
     "max_num_seqs", "chunk_size", "max_num_batched_tokens", "enable_dynamic_chunking_schedule",
     "low_chunk_size", "high_chunk_size", "chunk_schedule_max_tokens", "chunk_schedule_stages",
@@ -96,6 +97,7 @@ class LLM:
                 text="".join(texts[rid]),
                 finish_reason=reasons[rid],
                 metrics=RequestMetrics.of(seqs[rid]),
+                num_cached_tokens=seqs[rid].num_cached_tokens,
             )
             for rid in order
         ]

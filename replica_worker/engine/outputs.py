@@ -77,3 +77,4 @@ class CompletionOutput:
     text: str
     finish_reason: str
     metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed

@@ -61,8 +61,15 @@ class Sequence:
         self._token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens found in the prefix cache at first admission (vLLM's name):
+        # they started computed, so this replica never ran them.
+        self.num_cached_tokens = 0
         # Physical KV block ids in logical order; owned by the BlockManager.
         self.block_ids: list[int] = []
+        # Content hashes of the leading full blocks of token_ids, as far as the
+        # BlockManager needed them (it owns them). Tokens are only appended, so
+        # they stay valid for the sequence's life, preemptions included.
+        self.block_hashes: list[int] = []
         self.num_preemptions = 0
         self.times = SequenceTimes(arrival=time.time() if arrival_time is None else arrival_time)
 
@@ -120,7 +127,8 @@ class Sequence:
             self.times.first_scheduled = time.time() if now is None else now
 
     def reset_for_recompute(self) -> None:
-        """Preemption by recompute: the cache is gone, every known token is recomputed."""
+        """Preemption by recompute: the blocks are released; every known token
+        is recomputed, except what the prefix cache still holds at re-admission."""
         self.num_computed_tokens = 0
         self.block_ids = []
         self.num_preemptions += 1

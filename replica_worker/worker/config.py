@@ -69,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--dtype", default=_env("DTYPE"), help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--load-format", default=_env("LOAD_FORMAT", "auto"), choices=("auto", "dummy"))
     p.add_argument("--gpu-memory-utilization", type=float, default=float(_env("GPU_MEMORY_UTILIZATION", 0.9)))
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached KV blocks of shared prefixes")
     p.add_argument("--prefetch", type=int, default=int(_env("PREFETCH", 0)),
                    help="requests to pull beyond free seats (default 0: bind only when a seat is free)")
     p.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT_S", 30)))
@@ -84,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         "block_size": a.block_size,
         "load_format": a.load_format,
         "gpu_memory_utilization": a.gpu_memory_utilization,
+        "enable_prefix_caching": not a.no_prefix_caching,
         "dtype": a.dtype or ("float32" if a.device == "cpu" else "bfloat16"),
     }
     if a.max_num_batched_tokens is not None:

@@ -148,3 +148,32 @@ def test_flashinfer_matches_torch_backend_on_mixed_batch(dtype):
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     print(f"\n{dtype}: flashinfer vs torch relative error {err:.2e}")
     assert err < 1e-2
+
+
+# ---- prefix caching: cached pages look like an earlier prefill chunk to both backends ----
+SYSTEM = [(i * 29) % 450 + 5 for i in range(70)]  # 4 full blocks of 16 and 6 tokens
+
+
+def _shared_prefix_run(model_dir, dtype, caching: bool):
+    llm = LLM(model_dir, device="cuda", dtype=dtype, enable_prefix_caching=caching, **ENGINE)
+    prompts = [SYSTEM + p for p in PROMPTS]
+    outs = llm.generate(prompts[:1], GREEDY) + llm.generate(prompts[1:], GREEDY)
+    return llm, [o.token_ids for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def test_float32_cuda_prefix_cache_hits_give_the_same_tokens(model_dir):
+    _, uncached, _ = _shared_prefix_run(model_dir, "float32", caching=False)
+    llm, cached, num_cached = _shared_prefix_run(model_dir, "float32", caching=True)
+    assert num_cached == [0] + [64] * (len(PROMPTS) - 1)
+    assert cached == uncached
+
+
+@needs_flashinfer
+def test_flashinfer_prefill_attends_to_cached_pages(model_dir):
+    _, uncached, _ = _shared_prefix_run(model_dir, "bfloat16", caching=False)
+    llm, cached, num_cached = _shared_prefix_run(model_dir, "bfloat16", caching=True)
+    assert llm.engine.runner.backend.name == "flashinfer"
+    assert num_cached == [0] + [64] * (len(PROMPTS) - 1)
+    rate = _prefix_agreement(cached, uncached)
+    print(f"\nbf16 flashinfer, prefix cache on vs off: {rate:.1%}")
+    assert rate >= 0.9

@@ -31,13 +31,14 @@ def seq_of(seq_id: str, prompt_len: int, max_tokens: int | None = 8, resume: int
     )
 
 
-def sched_of(name: str, num_blocks: int = 256, watermark: float = 0.0, **kw) -> BaseScheduler:
+def sched_of(name: str, num_blocks: int = 256, watermark: float = 0.0, prefix_caching: bool = True,
+             **kw) -> BaseScheduler:
     kw.setdefault("chunk_size", 32)
     kw.setdefault("max_num_batched_tokens", 128)
     kw.setdefault("max_num_seqs", 8)
     return make_scheduler(
         SchedulerConfig(name=name, **kw),
-        CacheConfig(block_size=BLOCK, watermark=watermark),
+        CacheConfig(block_size=BLOCK, watermark=watermark, enable_prefix_caching=prefix_caching),
         num_blocks,
         MAX_MODEL_LEN,
     )
@@ -65,19 +66,29 @@ def check_invariants(sched: BaseScheduler, out: SchedulerOutput) -> None:
         seen.add(seq.seq_id)
         assert 0 < chunk.num_tokens <= seq.num_uncomputed_tokens
         assert len(seq.block_ids) * bm.block_size >= seq.num_computed_tokens + chunk.num_tokens
+        written = seq.block_ids[seq.num_computed_tokens // bm.block_size:
+                                bm.blocks_needed(seq.num_computed_tokens + chunk.num_tokens)]
+        for block_id in written:
+            assert bm.pool.refcount(block_id) == 1 and not bm.pool.is_cached(block_id), "writes a shared block"
         assert seq.status is SequenceStatus.RUNNING and seq in sched.running
         if seq.in_prefill:
             assert not prefill_done, "prefill chunk after a decode"
         else:
             prefill_done = True
+    assert not seen & {s.seq_id for s in out.preempted}, "preempted and scheduled in one step"
     assert out.num_batched_tokens <= sched.budget
     assert len(sched.running) <= sched.max_num_seqs
     for seq in sched.waiting:
         assert seq.block_ids == [] and seq.num_computed_tokens == 0
     for seq in out.ignored:
         assert seq.status is SequenceStatus.FINISHED_IGNORED and sched.get_seq(seq.seq_id) is None
-    held = sum(len(s.block_ids) for s in sched.running)
-    assert held + bm.num_free_blocks == bm.num_total_blocks, "leaked or double-counted blocks"
+    holders: dict[int, int] = {}
+    for seq in sched.running:
+        for block_id in seq.block_ids:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    assert len(holders) + bm.num_free_blocks == bm.num_total_blocks, "leaked or double-counted blocks"
+    for block_id, n in holders.items():
+        assert bm.pool.refcount(block_id) == n, f"block {block_id}: refcount is not its holders"
     cap = sched.admission_capacity()
     assert cap.max_requests >= 0 and cap.max_prompt_tokens >= 0
 
@@ -90,6 +101,7 @@ def advance(sched: BaseScheduler, out: SchedulerOutput, trace: Trace) -> None:
         seq = chunk.seq
         samples = chunk.samples
         seq.num_computed_tokens += chunk.num_tokens
+        sched.cache_computed(seq)
         if not samples:
             continue
         seq.append_token(7)
@@ -131,13 +143,16 @@ def random_workload(rng: random.Random, n: int, max_prompt: int = 90) -> dict[in
 
 
 # ---- every scheduler ----
+# Every test prompt is the same token repeated, so with the prefix cache on
+# most admissions hit (and share blocks) while the cache is under pressure.
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("num_blocks", [256, 40])
-def test_random_workload_completes_without_leaks(name, num_blocks):
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["cached", "uncached"])
+def test_random_workload_completes_without_leaks(name, num_blocks, prefix_caching):
     rng = random.Random(1234)
     arrivals = random_workload(rng, 40)
     seqs = [s for batch in arrivals.values() for s in batch]
-    sched = sched_of(name, num_blocks=num_blocks, watermark=0.05)
+    sched = sched_of(name, num_blocks=num_blocks, watermark=0.05, prefix_caching=prefix_caching)
     trace = simulate(sched, arrivals)
     assert_drained(sched)
     assert sorted(s.seq_id for s in trace.finished) == sorted(s.seq_id for s in seqs)
@@ -148,12 +163,13 @@ def test_random_workload_completes_without_leaks(name, num_blocks):
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_randomized_configs_with_aborts_never_leak_or_stall(name):
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["cached", "uncached"])
+def test_randomized_configs_with_aborts_never_leak_or_stall(name, prefix_caching):
     rng = random.Random(99)
     for _ in range(15):
         sched = sched_of(
             name, num_blocks=rng.choice([24, 40, 256]), watermark=rng.choice([0.0, 0.1]),
-            chunk_size=rng.choice([8, 32]), max_num_seqs=rng.choice([1, 4, 16]),
+            chunk_size=rng.choice([8, 32]), max_num_seqs=rng.choice([1, 4, 16]), prefix_caching=prefix_caching,
         )
         arrivals = random_workload(rng, rng.randint(1, 25), max_prompt=rng.choice([20, 90]))
         trace = Trace()

@@ -13,10 +13,16 @@ from tests.engine.test_schedulers import (
     advance,
     assert_drained,
     check_invariants,
-    sched_of,
     seq_of,
     simulate,
 )
+from tests.engine.test_schedulers import sched_of as _sched_of
+
+
+def sched_of(name: str, **kw):
+    """Policies compared without cache hits (every test prompt is the same
+    tokens); tests/engine/test_prefix_cache_scheduling.py covers hits."""
+    return _sched_of(name, prefix_caching=False, **kw)
 
 
 def run_steps(sched, n: int, trace: Trace | None = None) -> Trace:

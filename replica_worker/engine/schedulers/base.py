@@ -3,8 +3,11 @@
 A step is "computed tokens catching up with known tokens": schedule() picks,
 per sequence, how many of its uncomputed tokens to compute, and guarantees
 each one's KV slots (len(seq.block_ids) * block_size >= num_computed_tokens +
-num_tokens). The engine then advances num_computed_tokens, appends the token
-sampled for chunks that reach the last known token, and calls free_finished().
+num_tokens). The engine then advances num_computed_tokens, calls
+cache_computed() (the step's full blocks join the prefix cache), appends the
+token sampled for chunks that reach the last known token, and calls
+free_finished(). A sequence admitted with a cached prefix starts with those
+tokens computed, so its first chunk begins past them.
 
 Ownership: a sequence is in exactly one of waiting / running from add_seq
 until it finishes (free_finished, abort_seq, or ignored). Only running
@@ -76,6 +79,7 @@ class _Step:
         self.decodes: list[ScheduledChunk] = []
         self.preempted: list[Sequence] = []
         self.ignored: list[Sequence] = []
+        self.scheduled: set[str] = set()
 
     @property
     def room(self) -> int:
@@ -83,6 +87,8 @@ class _Step:
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         assert 0 < num_tokens <= min(self.room, seq.num_uncomputed_tokens), (seq, num_tokens, self.room)
+        assert seq.seq_id not in self.scheduled, f"{seq} scheduled twice in a step"
+        self.scheduled.add(seq.seq_id)
         chunk = ScheduledChunk(seq, num_tokens)
         (self.prefills if seq.in_prefill else self.decodes).append(chunk)
         self.num_tokens += num_tokens
@@ -118,7 +124,8 @@ class BaseScheduler:
 
     # ---- subclass hooks ----
     def _make_block_manager(self, cache_config: CacheConfig, num_blocks: int) -> BlockManager:
-        return BlockManager(num_blocks, cache_config.block_size, cache_config.watermark)
+        return BlockManager(num_blocks, cache_config.block_size, cache_config.watermark,
+                            cache_config.enable_prefix_caching)
 
     def _step_budget(self) -> int:
         return self.config.max_num_batched_tokens or self.max_model_len
@@ -149,6 +156,10 @@ class BaseScheduler:
         if not seq.is_finished:
             seq.finish(SequenceStatus.FINISHED_ABORTED)
         return seq
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """After the engine advanced seq.num_computed_tokens past written KV."""
+        self.block_manager.cache_computed(seq)
 
     def free_finished(self, seq: Sequence) -> None:
         assert seq.is_finished, f"free_finished on an unfinished {seq}"
@@ -254,9 +265,14 @@ class BaseScheduler:
         decode cannot get a KV slot, the latest arrival not yet given one is
         preempted by recompute (possibly the decode itself).
 
+        Sequences already in the step are left alone (neither decoded again
+        nor preempted): a re-admission whose cached prefix leaves one token
+        looks like a decode, and vllm and simple_chunking admit before decoding.
+
         Returns the running sequences still in prefill (not scheduled here).
         Afterwards self.running holds the survivors, in rank order."""
-        pending = sorted(self.running, key=self._rank_of)
+        already = [s for s in self.running if s.seq_id in step.scheduled]
+        pending = sorted((s for s in self.running if s.seq_id not in step.scheduled), key=self._rank_of)
         pending.reverse()  # pop() yields the earliest arrival; pending[0] is the tail
         kept: list[Sequence] = []
         prefilling: list[Sequence] = []
@@ -277,12 +293,13 @@ class BaseScheduler:
             if step.room >= 1:
                 self.block_manager.append(seq)
                 step.add(seq, 1)
-        self.running = sorted(kept + prefilling, key=self._rank_of)
+        self.running = sorted(kept + prefilling + already, key=self._rank_of)
         return prefilling
 
     def _admit_waiting(self, step: _Step, chunked: bool) -> None:
         """Admits waiting sequences head-of-line while seats, budget and blocks
         allow, scheduling a prefill chunk (chunked) or the whole context of each."""
+        bm = self.block_manager
         while self.waiting:
             seq = self.waiting[0]
             if self._never_fits(seq):
@@ -290,13 +307,18 @@ class BaseScheduler:
                 continue
             if len(self.running) >= self.max_num_seqs:
                 break
-            num_tokens = self._next_chunk(seq, step) if chunked else seq.num_uncomputed_tokens
+            if seq in step.preempted:  # its cached blocks must not bring it straight back
+                break
+            # allocate() starts the sequence past its cached prefix.
+            cached = bm.num_cached_prefix_tokens(seq)
+            num_tokens = self._chunk(cached, seq.num_tokens, step) if chunked else seq.num_tokens - cached
             if num_tokens <= 0 or num_tokens > step.room:
                 break
-            if not self.block_manager.can_allocate(seq, use_watermark=bool(self.running)):
+            if not bm.can_allocate(seq, use_watermark=bool(self.running)):
                 break
             self.waiting.pop(0)
-            self.block_manager.allocate(seq)
+            bm.allocate(seq)
+            assert seq.num_computed_tokens == cached, (seq, cached)
             self.running.append(seq)
             step.add(seq, num_tokens)
 
@@ -309,4 +331,8 @@ class BaseScheduler:
                 step.add(seq, num_tokens)
 
     def _next_chunk(self, seq: Sequence, step: _Step) -> int:
-        return min(seq.num_uncomputed_tokens, step.room)
+        return self._chunk(seq.num_computed_tokens, seq.num_tokens, step)
+
+    def _chunk(self, num_computed: int, num_tokens: int, step: _Step) -> int:
+        """The prefill chunk of a sequence with num_computed of num_tokens computed."""
+        return min(num_tokens - num_computed, step.room)

@@ -19,7 +19,8 @@ class OrcaScheduler(BaseScheduler):
         self.prompt_limit = min(self.max_model_len, self.budget)
 
     def _make_block_manager(self, cache_config: CacheConfig, num_blocks: int) -> BlockManager:
-        return ReservingBlockManager(num_blocks, cache_config.block_size, self.max_model_len)
+        return ReservingBlockManager(num_blocks, cache_config.block_size, self.max_model_len,
+                                     cache_config.enable_prefix_caching)
 
     def _schedule(self, step: _Step) -> None:
         prefilling = self._schedule_decodes(step)

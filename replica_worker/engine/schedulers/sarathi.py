@@ -54,16 +54,19 @@ class SarathiScheduler(BaseScheduler):
 
     def chunk_size_for(self, seq: Sequence) -> int:
         """The step size limit a prefill of seq works under, given its progress."""
+        return self._chunk_size_at(seq.num_computed_tokens)
+
+    def _chunk_size_at(self, num_computed: int) -> int:
         if self._chunk_sizes is None:
             return self.config.chunk_size
-        stage = min(seq.num_computed_tokens // self._tokens_per_stage, len(self._chunk_sizes) - 1)
+        stage = min(num_computed // self._tokens_per_stage, len(self._chunk_sizes) - 1)
         return self._chunk_sizes[stage]
 
-    def _next_chunk(self, seq: Sequence, step: _Step) -> int:
+    def _chunk(self, num_computed: int, num_tokens: int, step: _Step) -> int:
         # As in Sarathi-Serve, the stage's size bounds the whole step's tokens
         # once this prefill joins, not only this prefill's share.
-        limit = min(self.chunk_size_for(seq) - step.num_tokens, step.room)
-        return min(seq.num_uncomputed_tokens, limit)
+        limit = min(self._chunk_size_at(num_computed) - step.num_tokens, step.room)
+        return min(num_tokens - num_computed, limit)
 
     def _schedule(self, step: _Step) -> None:
         prefilling = self._schedule_decodes(step)
