@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 _LATENCY = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TBT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+_PREFIX_TOKENS = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 
 class Metrics:
@@ -48,11 +49,32 @@ class Metrics:
                                    "Writes queued for Redis, not yet durable", registry=r)
         self.redis_stalled = Gauge("quadriga_redis_stalled",
                                    "1 while Redis is slower than the stall threshold", registry=r)
+        self.prefix_hit = Histogram("quadriga_prefix_hit_tokens",
+                                    "Cached prefix tokens on the replica a request was placed on",
+                                    buckets=_PREFIX_TOKENS, registry=r)
+        self.prefix_best_hit = Histogram("quadriga_prefix_best_hit_tokens",
+                                         "Longest cached prefix of a request on any live replica",
+                                         buckets=_PREFIX_TOKENS, registry=r)
+        self.prefix_context = Counter("quadriga_prefix_context_tokens_total",
+                                      "Context tokens of the placements the two above count",
+                                      registry=r)
+        self.prefix_entries = Gauge("quadriga_prefix_index_entries",
+                                    "Block hashes in the router's view of the replicas' caches",
+                                    registry=r)
+        self.prefix_evictions = Counter("quadriga_prefix_index_evictions_total",
+                                        "Entries dropped from the view for its memory bound",
+                                        registry=r)
+        self.pull_picks = Counter("quadriga_pull_picks_total",
+                                  "Requests a Pull took: in queue order, ahead of older ones "
+                                  "for their cached prefix, or past the wait bound",
+                                  ["reason"], registry=r)
         self._last_round_trips = 0
+        self._last_evictions = 0
         # labels() takes a lock and builds a key on every call: children are cached.
         self._inflight: dict[str, object] = {}
         self._finished: dict[int, object] = {}
         self._out: dict[str, object] = {}
+        self._picks: dict[str, object] = {}
 
     def inflight_of(self, replica_id: str):
         child = self._inflight.get(replica_id)
@@ -71,6 +93,12 @@ class Metrics:
             child = self._finished[reason] = self.requests.labels(gpb.FinishReason.Name(reason))
         return child
 
+    def pull_pick(self, reason: str):
+        child = self._picks.get(reason)
+        if child is None:
+            child = self._picks[reason] = self.pull_picks.labels(reason)
+        return child
+
     def sent_to_replica(self, kind: str):
         child = self._out.get(kind)
         if child is None:
@@ -80,6 +108,11 @@ class Metrics:
     def sync_round_trips(self, total: int) -> None:
         self.redis_round_trips.inc(total - self._last_round_trips)
         self._last_round_trips = total
+
+    def sync_prefix_index(self, entries: int, evictions: int) -> None:
+        self.prefix_entries.set(entries)
+        self.prefix_evictions.inc(evictions - self._last_evictions)
+        self._last_evictions = evictions
 
     def serve(self, port: int, addr: str = "0.0.0.0"):
         return start_http_server(port, addr=addr, registry=self.registry)

@@ -18,11 +18,12 @@ RELEASED_LIMIT = 10_000   # cancelled ids remembered per session (late deltas ar
 
 
 class ReplicaSession:
-    def __init__(self, replica_id: str, register: rpb.Register, metrics=None):
+    def __init__(self, replica_id: str, register: rpb.Register, metrics=None, prefix_hasher=None):
         self.id = replica_id
         self.model = register.model
         self.capacity = register.capacity
         self.scheduler = register.scheduler
+        self.prefix_hasher = prefix_hasher      # BlockHasher of its prefix cache; None: it has none
         self.join_seq = next(_join_seq)
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.last_seen = time.monotonic()
