@@ -22,18 +22,31 @@ from pathlib import Path
 from benchmarks.common import RESULTS
 from benchmarks.harness import capacity as cap
 from benchmarks.harness import metrics as M
-from benchmarks.harness import plots, roofline
+from benchmarks.harness import plots, prefix_stats, roofline
 from benchmarks.harness.loadgen import run_requests
+from benchmarks.harness.prefix_workloads import reusable_tokens
 from benchmarks.harness.stack import Stack
-from benchmarks.harness.workload import PRESETS, WorkloadSpec, generate, vocab_size_of
+from benchmarks.harness.workload import (PREFIX_WORKLOADS, PRESETS, WorkloadSpec, generate,
+                                         vocab_size_of)
 
-POLICIES = ("pull", "round_robin", "least_outstanding")
+# A name the harness runs: a router policy, with the router flags that make it.
+POLICY_VARIANTS = {
+    "pull": ("pull", []),                                      # with affinity (the default)
+    "pull_fifo": ("pull", ["--pull-affinity-window", "0"]),    # strict FIFO
+    "round_robin": ("round_robin", []),
+    "least_outstanding": ("least_outstanding", []),
+    "cache_aware": ("cache_aware", []),
+}
+POLICIES = tuple(POLICY_VARIANTS)
+# Hit metrics for every policy, so they compare (hashing every prompt costs little).
+STACK_ROUTER_ARGS = ["--prefix-metrics", "all"]
 
 
 # ---------------------------------------------------------------- arguments
 def add_workload_args(p):
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", default="synthetic", choices=("synthetic", "trace", *PRESETS))
+    g.add_argument("--workload", default="synthetic",
+                   choices=("synthetic", "trace", *PRESETS, *PREFIX_WORKLOADS))
     g.add_argument("--trace", help="CSV with prompt/output length columns and optional arrival_s")
     g.add_argument("--num-requests", "-n", type=int, default=100)
     g.add_argument("--scale", type=float, default=1.0, help="multiply preset/trace lengths (tiny model: 0.125)")
@@ -49,6 +62,15 @@ def add_workload_args(p):
     g.add_argument("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--vocab-size", type=int, help="default: the model's config.json (512 without one)")
+    g.add_argument("--groups", type=int, default=8, help="shared-prefix: system prompts")
+    g.add_argument("--questions", type=int, default=16, help="shared-prefix: requests per system prompt")
+    g.add_argument("--system-len", type=int, default=256,
+                   help="shared-prefix: tokens of each group's system prompt; multi-turn: of the "
+                        "one every conversation starts with (0: none)")
+    g.add_argument("--conversations", type=int, default=32, help="multi-turn: conversations")
+    g.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    g.add_argument("--think-s", type=float, default=0.0,
+                   help="multi-turn: seconds between an answer and the next turn")
 
 
 def add_target_args(p):
@@ -63,6 +85,9 @@ def add_target_args(p):
     g.add_argument("--scheduler", help="replica scheduler (sarathi, vllm, ...)")
     g.add_argument("--replica-arg", action="append", default=[], help="passed to every replica")
     g.add_argument("--stack-arg", action="append", default=[], help="passed to python -m stack")
+    g.add_argument("--router-arg", action="append", default=[], help="passed to the router (--start-stack)")
+    g.add_argument("--replica-metrics-url", action="append", default=[],
+                   help="a replica's /metrics (prefix cache hit rate); --start-stack finds its own")
     g.add_argument("--stack-log-dir")
     g.add_argument("--channels", type=int, default=2)
     g.add_argument("--stream-interval", type=int, default=1)
@@ -181,7 +206,8 @@ def spec_from(a, model: str | None) -> WorkloadSpec:
         output_dist=a.output_dist, output_len=a.output_len, output_min=a.output_min,
         output_max=a.output_max, zipf_theta=a.zipf_theta, scale=a.scale, max_total=a.max_total,
         arrival=a.arrival, rate=a.rate, cv=a.cv, seed=a.seed,
-        vocab_size=a.vocab_size or vocab_size_of(model))
+        vocab_size=a.vocab_size or vocab_size_of(model), groups=a.groups, questions=a.questions,
+        system_len=a.system_len, conversations=a.conversations, turns=a.turns, think_s=a.think_s)
 
 
 def slo_from(a) -> M.SLO:
@@ -237,16 +263,20 @@ class Target:
         self.a, self.policy, self.model = a, policy or a.policy, model
         self.stack: Stack | None = None
         self.address, self.metrics_url = a.router, a.metrics_url
+        self.replica_metrics_urls = list(a.replica_metrics_url)
 
     def __enter__(self):
         a = self.a
         if a.start_stack:
             log(f"starting stack: {a.replicas} replicas, policy {self.policy}")
-            self.stack = Stack(replicas=a.replicas, policy=self.policy, model=self.model,
+            policy, variant_args = POLICY_VARIANTS[self.policy]
+            self.stack = Stack(replicas=a.replicas, policy=policy, model=self.model,
                                replica_args=a.replica_arg, device=a.device, scheduler=a.scheduler,
                                extra_args=a.stack_arg, log_dir=a.stack_log_dir and
-                               str(Path(a.stack_log_dir) / self.policy)).start()
+                               str(Path(a.stack_log_dir) / self.policy),
+                               router_args=[*STACK_ROUTER_ARGS, *variant_args, *a.router_arg]).start()
             self.address, self.metrics_url = self.stack.address, self.stack.metrics_url
+            self.replica_metrics_urls = self.stack.replica_metrics_urls
             log(f"stack ready at {self.address} (logs {self.stack.log_dir})")
         elif not self.address:
             raise SystemExit("give --router HOST:PORT or --start-stack")
@@ -259,11 +289,15 @@ class Target:
         return self
 
     def run(self, requests, label: str, progress: bool = True):
+        """run_requests' results, plus the prefix cache hit rates of the run."""
         a = self.a
-        return asyncio.run(run_requests(
+        before = prefix_stats.snapshot(self.metrics_url, self.replica_metrics_urls)
+        out = asyncio.run(run_requests(
             self.address, requests, channels=a.channels, stream_interval=a.stream_interval,
             timeout=a.timeout, metrics_url=self.metrics_url, label=label,
             progress=progress and not a.no_progress))
+        after = prefix_stats.snapshot(self.metrics_url, self.replica_metrics_urls)
+        return (*out, prefix_stats.between(before, after))
 
     def __exit__(self, *exc):
         if self.stack:
@@ -273,8 +307,12 @@ class Target:
 
 def measured(target: Target, a, model, requests, label: str, slo: M.SLO, out_dir: Path, stem: str):
     """One run: aggregates (with the roofline), CSV and plots; returns (summary, results)."""
-    results, scrapes, wall, client_lag = target.run(requests, label)
+    results, scrapes, wall, client_lag, hits = target.run(requests, label)
     summary = M.aggregate(results, wall, slo)
+    summary["prefix_cache"] = hits
+    if a.workload in PREFIX_WORKLOADS:
+        prompt = sum(r.prompt_len for r in requests)
+        summary["workload_reusable_prompt_share"] = reusable_tokens(requests, a.system_len) / prompt
     # Client-side latencies include the load generator's own stalls; server-side ones do not.
     summary["client_max_loop_lag_s"] = client_lag
     limit = limit_for(a, model, requests)
@@ -298,13 +336,20 @@ def line(label: str, s: dict) -> str:
         return "-" if v is None else f"{v * 1000:.0f}"
     roof = s.get("roofline")
     roof_txt = f", {roof['fraction_of_limit_output_tok_s'] * 100:.1f}% of roofline" if roof else ""
+    hits = s.get("prefix_cache") or {}
+
+    def pct(k):
+        v = hits.get(k)
+        return "-" if v is None else f"{v * 100:.0f}%"
+    hit_txt = (f"; prefix hits engine {pct('engine_hit_rate')}, router {pct('router_hit_rate')}, "
+               f"oracle {pct('oracle_hit_rate')}") if hits else ""
     return (f"{label}: {s['finished']}/{s['requests']} ok ({s['exact_output_length']} exact), "
             f"{s['throughput_req_s']:.2f} req/s, {s['throughput_output_tok_s']:.0f} out tok/s{roof_txt}; "
             f"TTFT p50/p99 {ms(s['ttft_s'], 'p50')}/{ms(s['ttft_s'], 'p99')} ms, "
             f"TBT p99 {ms(s['tbt_s'], 'p99')} ms, e2e p50/p99 {ms(s['e2e_s'], 'p50')}/{ms(s['e2e_s'], 'p99')} ms, "
             f"sched delay p50 {ms(s['server_scheduling_delay_s'], 'p50')} ms, "
             f"goodput {s['goodput']['share'] * 100 if s['goodput']['share'] is not None else 0:.0f}%, "
-            f"client stall max {s.get('client_max_loop_lag_s', 0) * 1000:.0f} ms")
+            f"client stall max {s.get('client_max_loop_lag_s', 0) * 1000:.0f} ms{hit_txt}")
 
 
 # ---------------------------------------------------------------- commands
@@ -413,8 +458,14 @@ def cmd_compare(a) -> int:
                      "e2e_p50_s": s["e2e_s"]["p50"], "e2e_p99_s": s["e2e_s"]["p99"], "tbt_p99_s": s["tbt_s"]["p99"],
                      "throughput_req_s": s["throughput_req_s"], "goodput_share": s["goodput"]["share"],
                      "errors": s["errors"], "requests_per_replica": s["requests_per_replica"],
-                     "fraction_of_roofline_output_tok_s": (s.get("roofline") or {}).get("fraction_of_limit_output_tok_s")}
+                     "fraction_of_roofline_output_tok_s": (s.get("roofline") or {}).get("fraction_of_limit_output_tok_s"),
+                     **_hit_rates(s)}
                  for p, s in v.items()} for k, v in summaries.items()}
+    if any(row.get("engine_hit_rate") is not None for v in table.values() for row in v.values()):
+        hit_bars = [(f"{k} {m}", {p: row[f"{m}_hit_rate"] or 0 for p, row in v.items()})
+                    for k, v in table.items() for m in ("engine", "oracle")]
+        pngs["hit_bars"] = str(plots.bar_plot(summary_dir / f"{a.name}-hits.png", hit_bars,
+                                              "prefix cache hit rate", "hit rate per policy and load"))
     target = None
     if "pull" in a.policies and "round_robin" in a.policies:
         target = {}
@@ -430,9 +481,11 @@ def cmd_compare(a) -> int:
                          "server_ratio": spull / srr if spull and srr else None}
     for k, v in table.items():
         for p, row in v.items():
+            hit = row.get("engine_hit_rate")
             log(f"{k:>8} {p:<18} TTFT p50 {row['ttft_p50_s']:.3f} p99 {row['ttft_p99_s']:.3f} "
                 f"(server p99 {row['server_ttft_p99_s'] or 0:.3f})  "
-                f"e2e p50 {row['e2e_p50_s']:.3f} p99 {row['e2e_p99_s']:.3f}  ({row['throughput_req_s']:.2f} req/s)")
+                f"e2e p50 {row['e2e_p50_s']:.3f} p99 {row['e2e_p99_s']:.3f}  ({row['throughput_req_s']:.2f} req/s)"
+                + (f"  hits {hit * 100:.0f}%" if hit is not None else ""))
     if target:
         log(f"pull p99 TTFT <= 1/2 round_robin: {json.dumps(target)}")
     write_json(summary_dir / f"{a.name}.json",
@@ -441,6 +494,11 @@ def cmd_compare(a) -> int:
                 "capacity_req_s": a.capacity, "table": table, "pull_vs_round_robin": target, "plots": pngs,
                 "runs": summaries})
     return 0
+
+
+def _hit_rates(summary: dict) -> dict:
+    hits = summary.get("prefix_cache") or {}
+    return {f"{k}_hit_rate": hits.get(f"{k}_hit_rate") for k in ("engine", "router", "oracle")}
 
 
 def cmd_roofline(a) -> int:
