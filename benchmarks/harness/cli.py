@@ -6,6 +6,7 @@ compare   policies x loads (fractions of a capacity, or absolute rates), CDFs ov
 roofline  hardware limit of a model shape and workload
 model-dir write a config-only model folder of a known shape (dummy weights on the replica)
 plot-capacity  capacity searches' JSONs overlaid in one PNG, probe by probe
+repeats   repeated compare runs gathered: median and range per label and policy
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from benchmarks.common import RESULTS
 from benchmarks.harness import capacity as cap
 from benchmarks.harness import metrics as M
-from benchmarks.harness import plots, prefix_stats, roofline
+from benchmarks.harness import plots, prefix_stats, repeats, roofline
 from benchmarks.harness.loadgen import run_requests
 from benchmarks.harness.prefix_workloads import reusable_tokens
 from benchmarks.harness.stack import Stack
@@ -159,6 +160,10 @@ def parse_args(argv=None):
     k.add_argument("results", nargs="+", help="capacity JSONs; LABEL=PATH names a line (default: the file name)")
     k.add_argument("--out", required=True, help="the PNG to write")
     k.add_argument("--title", default="")
+    e = sub.add_parser("repeats", help="repeated compare runs: median and range")
+    e.add_argument("results", nargs="+", help="compare JSONs; LABEL=PATH groups them (cache on/off)")
+    e.add_argument("--out", required=True, help="path stem of the JSON, CSV and PNGs")
+    e.add_argument("--title", default="")
     return p.parse_args(argv)
 
 
@@ -573,4 +578,5 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     return {"run": cmd_run, "capacity": cmd_capacity, "compare": cmd_compare,
             "roofline": cmd_roofline, "model-dir": cmd_model_dir,
-            "plot-capacity": cmd_plot_capacity}[a.cmd](a)
+            "plot-capacity": cmd_plot_capacity,
+            "repeats": lambda a: repeats.main(a.out, a.results, a.title)}[a.cmd](a)

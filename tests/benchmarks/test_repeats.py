@@ -1,0 +1,31 @@
+"""Repeated compare runs gathered into median and range per label and policy."""
+
+import csv
+import json
+
+from benchmarks.harness import repeats
+
+
+def compare_json(path, rows: dict) -> str:
+    path.write_text(json.dumps({"kind": "compare", "table": {"30 req/s": rows}}))
+    return str(path)
+
+
+def test_repeats_gives_median_and_range_per_label_and_policy(tmp_path):
+    runs = [({"pull": {"ttft_p50_s": t, "engine_hit_rate": h}, "round_robin": {"ttft_p50_s": 2 * t}}, "on")
+            for t, h in ((0.1, 0.8), (0.3, 0.9), (0.2, 0.7))]
+    runs.append(({"pull": {"ttft_p50_s": 1.0, "engine_hit_rate": None}}, "off"))
+    inputs = [f"{label}={compare_json(tmp_path / f'r{i}.json', rows)}" for i, (rows, label) in enumerate(runs)]
+    assert repeats.main(str(tmp_path / "out"), inputs, "t") == 0
+    table = json.loads((tmp_path / "out.json").read_text())["table"]
+    pull = table["on"]["pull"]
+    assert (pull["ttft_p50_s"]["median"], pull["ttft_p50_s"]["min"], pull["ttft_p50_s"]["max"]) == (0.2, 0.1, 0.3)
+    assert pull["engine_hit_rate"]["median"] == 0.8 and pull["engine_hit_rate"]["n"] == 3
+    assert table["on"]["round_robin"]["ttft_p50_s"]["median"] == 0.4
+    assert "engine_hit_rate" not in table["off"]["pull"] and table["off"]["pull"]["ttft_p50_s"]["n"] == 1
+    rows = list(csv.DictReader(open(tmp_path / "out.csv")))
+    assert [(r["label"], r["policy"], r["repeats"]) for r in rows] == [
+        ("on", "pull", "3"), ("on", "round_robin", "3"), ("off", "pull", "1")]
+    for png in ("ttft-p50", "engine-hit-rate"):
+        assert (tmp_path / f"out-{png}.png").stat().st_size > 0
+    assert not (tmp_path / "out-ttft-p99.png").exists(), "no run had it: no plot"
