@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from replica_worker.engine.sequence import Sequence
+
+
+class TokenLogprobs(NamedTuple):
+    """One output token's logprob and the k most likely tokens' (token id, logprob), best first.
+
+    From the model's raw distribution: log_softmax of the logits before
+    penalties, temperature or any cut-off.
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,8 @@ class RequestDelta:
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     error: str = ""
     seq: Sequence | None = field(default=None, repr=False)
+    # One per new token when the request asked for logprobs, else None.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
