@@ -103,6 +103,19 @@ def test_bad_requests_raise_clear_errors(llm, prompt, params, message):
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"),
     (dict(stop=[""]), "stop"),
+    (dict(n=0), "n must be"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=9, max_tokens=8), "min_tokens .9. must be at most max_tokens .8."),
+    (dict(min_p=1.5), "min_p"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3.0), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(seed=1 << 64), "seed"),
 ])
 def test_bad_sampling_values(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
