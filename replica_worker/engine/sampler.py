@@ -14,10 +14,11 @@ are found with numpy, and everything reaches the device in one copy
 the caller's one device-to-host copy (SampledBatch.to_host) brings back the
 tokens and any logprobs together.
 
-Seeds. A seeded row's draw is Philox4x32-10 keyed by the seed at counter
-(output index): the same seed draws the same number at the same output
-index whatever else shares the batch, on any replica, and a request resumed
-at output index i draws what it would have drawn there. The token is a
+Seeds. A seeded row's draw is output i of the SplitMix64 stream of its seed,
+i being the output index of the token (seeded_draws.py): a counter-based
+draw, so the same seed draws the same number at the same output index
+whatever else shares the batch, on any replica, and a request resumed at
+output index i draws what it would have drawn there. The token is a
 function of that draw and the row's own logits, computed by row-wise
 operations, so it depends on the batch only through those logits: where the
 model's logits for a row do not change with the batch (float32 on the CPU,
@@ -37,7 +38,7 @@ import torch
 from replica_worker.engine.outputs import TokenLogprobs
 from replica_worker.engine.penalty_state import PenaltyState
 from replica_worker.engine.sampling_inputs import transfer
-from replica_worker.engine.sampling_ops import (apply_penalties, cutoffs, sample_inverse_cdf, sorted_descending,
+from replica_worker.engine.sampling_ops import (apply_penalties_, cutoffs, sample_inverse_cdf, sorted_descending,
                                                 token_logprobs)
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.sampling_plan import SamplingPlan
@@ -71,7 +72,7 @@ class SamplerOutput:
 class SampledBatch:
     """A step's sampled tokens (and logprobs), still on the device."""
 
-    packed: torch.Tensor  # int32: [S] token ids, then [L, 1 + 2K] per logprob row
+    packed: torch.Tensor  # [S] token ids; with logprobs int32, followed by [L, 1 + 2K] per logprob row
     num_rows: int
     logprob_rows: np.ndarray  # rows that asked for logprobs, in order
     logprob_k: np.ndarray  # each such row's k
@@ -98,7 +99,7 @@ class Sampler:
     def __init__(self, device: torch.device | str, seed: int = 0, eos_token_ids=()) -> None:
         self.device = torch.device(device)
         self.rng = np.random.default_rng(seed)
-        self.eos_token_ids = np.asarray(sorted(set(eos_token_ids)), dtype=np.int64)
+        self.set_eos_token_ids(eos_token_ids)
         self._penalties: PenaltyState | None = None
 
     def penalty_state(self, vocab_size: int) -> PenaltyState:
@@ -118,14 +119,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list, argmax: torch.Tensor | None = None) -> SampledBatch:
         """logits [S, V] float32, one row per entry of rows -> the sampled batch on the device.
 
-        The logits are overwritten (min_tokens masks and penalties are applied
-        in place). argmax, when given, is logits.argmax(-1) already computed (a
-        CUDA graph's); it is used when no row needs more than that.
+        The logits may be overwritten: min_tokens masks and penalties apply in
+        place, and sampling reuses their memory. argmax, when given, is
+        logits.argmax(-1) already computed (a CUDA graph's); it is used when
+        no row needs more than that.
         """
         plan = SamplingPlan.build(rows, self, logits.shape[-1], TOPK_LIMIT)
         if plan.plain_greedy:
             ids = argmax if argmax is not None else logits.argmax(dim=-1)
-            return SampledBatch(ids.to(torch.int32), len(rows), plan.logprob_rows, plan.logprob_k, 0)
+            return SampledBatch(ids, len(rows), plan.logprob_rows, plan.logprob_k, 0)
         dev = transfer(plan.sections, self.device)
         changes = "mask_rows" in dev or plan.penalty_slots is not None
         raw = None
@@ -134,7 +136,7 @@ class Sampler:
         self._process_(logits, plan, dev)
         ids = logits.argmax(dim=-1) if plan.any_greedy else None
         if len(plan.random_rows):
-            sampled = self._sample_random(logits, plan, dev)
+            sampled = self._sample_random(logits, plan, dev, may_overwrite=raw is not logits)
             ids = sampled if ids is None else ids.index_put_((dev["random_rows"],), sampled)
         if plan.penalty_slots is not None:
             self._penalties.record(dev["penalty_slots"], ids[dev["penalty_rows"]])
@@ -143,21 +145,27 @@ class Sampler:
     def _process_(self, logits: torch.Tensor, plan: SamplingPlan, dev: dict) -> None:
         """min_tokens masks, then penalties, in place."""
         if "mask_rows" in dev:
-            logits.index_put_((dev["mask_rows"], dev["mask_tokens"]), torch.tensor(float("-inf"), device=logits.device))
+            logits[dev["mask_rows"], dev["mask_tokens"]] = float("-inf")
         if plan.penalty_slots is not None:
             state = self._penalties  # assigned by the plan
             state.rebuild(dev)
             rows, slots = dev["penalty_rows"], dev["penalty_slots"]
             in_prompt = state.in_prompt[slots] if plan.any_repetition else None
-            logits[rows] = apply_penalties(
-                logits[rows], state.counts[slots], in_prompt, dev["presence"], dev["frequency"], dev["repetition"]
-            )
+            target = logits if plan.all_penalties else logits[rows]
+            apply_penalties_(target, state.counts[slots], in_prompt, dev["presence"], dev["frequency"], dev["repetition"])
+            if not plan.all_penalties:
+                logits[rows] = target
 
-    def _sample_random(self, logits: torch.Tensor, plan: SamplingPlan, dev: dict) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, plan: SamplingPlan, dev: dict, may_overwrite: bool) -> torch.Tensor:
         temperature = dev["temperature"][:, None]
-        # A tensor of our own: sample_inverse_cdf overwrites it.
-        scaled = logits / temperature if plan.all_random else logits[dev["random_rows"]].div_(temperature)
-        cutoff = torch.full((scaled.shape[0],), float("-inf"), device=logits.device)
+        # sample_inverse_cdf overwrites what it is given: the logits when nothing reads them after, else a copy.
+        if plan.all_random:
+            scaled = logits.div_(temperature) if may_overwrite else logits / temperature
+        else:
+            scaled = logits[dev["random_rows"]].div_(temperature)
+        cutoff = None
+        if plan.topk_width or "sort_local" in dev:
+            cutoff = torch.full((scaled.shape[0],), float("-inf"), device=logits.device)
         k, p, min_p = dev["top_k"], dev["top_p"], dev["min_p"]
         if plan.topk_width:
             local = dev["topk_local"]
@@ -169,13 +177,12 @@ class Sampler:
         return sample_inverse_cdf(scaled, cutoff, dev["uniform"])
 
     def _pack(self, raw: torch.Tensor | None, ids: torch.Tensor, plan: SamplingPlan, dev: dict) -> SampledBatch:
-        parts = [ids.to(torch.int32)]
+        if raw is None:
+            return SampledBatch(ids, len(plan.greedy), plan.logprob_rows, plan.logprob_k, 0)
         width = plan.logprob_width
-        if raw is not None:
-            chosen, top_ids, top_lps = token_logprobs(raw, ids[dev["logprob_rows"]], width)
-            table = [chosen[:, None].view(torch.int32)]
-            if width:
-                table += [top_ids.to(torch.int32), top_lps.view(torch.int32)]
-            parts.append(torch.cat(table, dim=1).reshape(-1))
-        packed = torch.cat(parts) if len(parts) > 1 else parts[0]
+        chosen, top_ids, top_lps = token_logprobs(raw, ids[dev["logprob_rows"]], width)
+        table = [chosen[:, None].view(torch.int32)]
+        if width:
+            table += [top_ids.to(torch.int32), top_lps.view(torch.int32)]
+        packed = torch.cat([ids.to(torch.int32), torch.cat(table, dim=1).reshape(-1)])
         return SampledBatch(packed, len(plan.greedy), plan.logprob_rows, plan.logprob_k, width)

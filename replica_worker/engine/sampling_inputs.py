@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from replica_worker.engine.philox import seed_key
 
 if TYPE_CHECKING:
     from replica_worker.engine.sampling_params import SamplingParams
@@ -23,7 +22,7 @@ if TYPE_CHECKING:
 # float32 columns, then int32 columns.
 TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(6)
 NUM_FLOAT_COLUMNS = 6
-TOP_K, FLAGS, LOGPROBS, MIN_TOKENS, KEY0, KEY1 = range(6, 12)
+TOP_K, FLAGS, LOGPROBS, MIN_TOKENS, SEED_LOW, SEED_HIGH = range(6, 12)  # the seed's 32-bit halves
 NUM_COLUMNS = 12
 
 GREEDY, SEEDED, PENALTIES, REPETITION_PENALTY = 1, 2, 4, 8
@@ -39,9 +38,10 @@ def pack_params(p: "SamplingParams") -> bytes:
     )
     flags = (GREEDY * p.greedy) | (SEEDED * (p.seed is not None)) | (PENALTIES * p.uses_penalties)
     flags |= REPETITION_PENALTY * (p.repetition_penalty != 1.0)
-    key0, key1 = seed_key(p.seed or 0)
+    seed = p.seed or 0
     ints = np.array(
-        [max(p.top_k, 0), flags, NO_LOGPROBS if p.logprobs is None else p.logprobs, p.min_tokens, key0, key1],
+        [max(p.top_k, 0), flags, NO_LOGPROBS if p.logprobs is None else p.logprobs, p.min_tokens,
+         seed & 0xFFFFFFFF, seed >> 32],
         dtype=np.int64,
     ).astype(np.uint32)
     return floats.tobytes() + ints.tobytes()
@@ -55,6 +55,12 @@ def columns(params: list["SamplingParams"]) -> np.ndarray:
 
 def float_columns(cols: np.ndarray) -> np.ndarray:
     return cols[:, :NUM_FLOAT_COLUMNS].view(np.float32)
+
+
+def seeds(cols: np.ndarray) -> np.ndarray:
+    """The rows' 64-bit seeds (0 for unseeded rows)."""
+    halves = cols[:, [SEED_LOW, SEED_HIGH]].view(np.uint32).astype(np.uint64)
+    return halves[:, 0] | (halves[:, 1] << np.uint64(32))
 
 
 _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,

@@ -13,28 +13,29 @@ import torch
 _NEG_INF = float("-inf")
 
 
-def apply_penalties(
+def apply_penalties_(
     logits: torch.Tensor,
     counts: torch.Tensor,
     in_prompt: torch.Tensor | None,
     presence: torch.Tensor,
     frequency: torch.Tensor,
     repetition: torch.Tensor,
-) -> torch.Tensor:
-    """Penalized logits [P, V] of penalty rows.
+) -> None:
+    """Penalizes the logits [P, V] of penalty rows, in place.
 
-    counts [P, V]: each token's count in the row's output. in_prompt [P, V]
-    (None when no row has a repetition penalty): the token occurs in the
-    prompt. Repetition first (CTRL: a seen logit is divided by the penalty
-    when positive, multiplied otherwise), then OpenAI's
-    logit -= frequency * count + presence * (count > 0).
+    counts [P, V] float32: each token's count in the row's output.
+    in_prompt [P, V] bool (None when no row has a repetition penalty): the
+    token occurs in the prompt. Repetition first (CTRL: a seen logit is
+    divided by the penalty when positive, multiplied otherwise), then
+    OpenAI's logit -= frequency * count + presence * (count > 0).
     """
-    in_output = counts > 0
+    in_output = counts.sign()  # counts >= 0: 1.0 where the token was output
     if in_prompt is not None:
-        seen = in_output | in_prompt
+        seen = in_prompt | (counts > 0)
         r = repetition[:, None]
-        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-    return logits - frequency[:, None] * counts - presence[:, None] * in_output
+        torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits, out=logits)
+    logits.addcmul_(counts, frequency[:, None], value=-1.0)
+    logits.addcmul_(in_output, presence[:, None], value=-1.0)
 
 
 def cutoffs(
@@ -75,17 +76,19 @@ def sorted_descending(x: torch.Tensor) -> torch.Tensor:
     return x.sort(dim=-1, descending=True).values
 
 
-def sample_inverse_cdf(logits: torch.Tensor, cutoff: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+def sample_inverse_cdf(logits: torch.Tensor, cutoff: torch.Tensor | None, uniform: torch.Tensor) -> torch.Tensor:
     """One token per row: the first whose cumulative probability reaches u. Overwrites logits.
 
     logits [R, V] temperature-scaled; cutoff [R]: tokens below it are never
-    drawn; uniform [R] float64 in (0, 1]. The CDF runs over the vocabulary in
+    drawn (None: no row cuts); uniform [R] float64 in (0, 1]. The CDF runs over the vocabulary in
     token-id order, in float64 (a float32 CDF would round tail tokens' mass
     to whole ulps of the total), so a row's token is a function of its
     logits and its draw only.
     """
-    below = logits < cutoff[:, None]
-    weights = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_().masked_fill_(below, 0.0)
+    below = None if cutoff is None else logits < cutoff[:, None]
+    weights = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+    if below is not None:
+        weights.masked_fill_(below, 0.0)
     cdf = weights.cumsum(dim=-1, dtype=torch.float64)
     target = uniform[:, None] * cdf[:, -1:]
     # A token of weight 0 never holds the first index reaching target > 0.

@@ -12,12 +12,12 @@ from functools import cached_property
 
 from replica_worker.engine.errors import InvalidRequestError
 from replica_worker.engine.sampling_inputs import pack_params
+from replica_worker.engine.seeded_draws import derived_seed
 
 # Below this temperature a request is greedy: dividing by it would overflow.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # as the OpenAI API's top_logprobs
 _SEED_LIMIT = 1 << 64
-_MASK64 = _SEED_LIMIT - 1
 
 
 @dataclass(frozen=True)
@@ -114,12 +114,12 @@ class SamplingParams:
         """Settings of completion `index` of n: n = 1, and with a seed, a seed of its own.
 
         Completion 0 keeps the seed, so n = 1 and the first of n agree;
-        completion i > 0 takes splitmix64(seed, i), so completions differ
-        and each is reproducible.
+        completion i > 0 takes seeded_draws.derived_seed(seed, i), so
+        completions differ and each is reproducible.
         """
         seed = self.seed
         if seed is not None and index:
-            seed = _splitmix64(seed ^ (index * 0x9E3779B97F4A7C15 & _MASK64))
+            seed = derived_seed(seed, index)
         return replace(self, n=1, seed=seed)
 
     @cached_property
@@ -131,9 +131,3 @@ class SamplingParams:
         """
         return pack_params(self)
 
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)

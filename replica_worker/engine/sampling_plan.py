@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from replica_worker.engine import sampling_inputs as si
-from replica_worker.engine.philox import uniforms
+from replica_worker.engine.seeded_draws import uniforms
 
 
 
@@ -36,6 +36,10 @@ class SamplingPlan:
     @property
     def all_random(self) -> bool:
         return len(self.random_rows) == len(self.greedy)
+
+    @property
+    def all_penalties(self) -> bool:
+        return self.penalty_slots is not None and len(self.penalty_slots) == len(self.greedy)
 
     @property
     def all_logprobs(self) -> bool:
@@ -126,13 +130,12 @@ class SamplingPlan:
         )
 
     def _draws(self, cols, seeded, index, rng) -> np.ndarray:
-        """One uniform in (0, 1] per random row: Philox(seed, output index) or the engine's generator."""
+        """One uniform in (0, 1] per random row: SplitMix64(seed) at the output index, or the engine's generator."""
         is_seeded = seeded[self.random_rows]
         draws = np.empty(len(self.random_rows), dtype=np.float64)
         unseeded = ~is_seeded
         draws[unseeded] = 1.0 - rng.random(int(unseeded.sum()))
         if is_seeded.any():
             rows = self.random_rows[is_seeded]
-            keys = cols[rows][:, [si.KEY0, si.KEY1]].view(np.uint32)
-            draws[is_seeded] = uniforms(keys, index[rows])
+            draws[is_seeded] = uniforms(si.seeds(cols[rows]), index[rows])
         return draws

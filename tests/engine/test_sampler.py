@@ -8,7 +8,7 @@ import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from replica_worker.engine.philox import philox4x32, uniforms
+from replica_worker.engine.seeded_draws import derived_seed, stream_words, uniforms
 from replica_worker.engine.sampler import Sampler, SamplingRow
 from replica_worker.engine.sampling_ops import cutoffs, sorted_descending
 from replica_worker.engine.sampling_params import SamplingParams
@@ -49,18 +49,15 @@ def test_top_k_one_and_tiny_top_p_and_tiny_temperature_are_greedy():
         assert torch.equal(sample(sampler, logits, rows(params, 32)), logits.argmax(-1)), params
 
 
-def test_philox_known_answers():
-    # Random123's known-answer vectors for philox4x32-10.
-    cases = [
-        ([0, 0, 0, 0], [0, 0], [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]),
-        ([0xFFFFFFFF] * 4, [0xFFFFFFFF] * 2, [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]),
-        ([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], [0xA4093822, 0x299F31D0],
-         [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]),
-    ]
-    counters, keys, expected = (np.array([c[i] for c in cases], dtype=np.uint64) for i in range(3))
-    assert philox4x32(counters, keys).tolist() == expected.tolist()
-    u = uniforms(np.zeros((1000, 2), np.uint32), np.arange(1000))
-    assert ((u > 0) & (u <= 1)).all() and abs(u.mean() - 0.5) < 0.03
+def test_seeded_draws_are_splitmix64_streams():
+    # The reference generator's first outputs for seed 0, and for seed 1234567.
+    words = stream_words(np.zeros(3, np.uint64), np.arange(3))
+    assert [hex(w) for w in words.tolist()] == ["0xe220a8397b1dcdaf", "0x6e789e6aa1b965f4", "0x6c45d188009454f"]
+    assert stream_words(np.full(2, 1234567, np.uint64), np.arange(2)).tolist() == [6457827717110365317,
+                                                                               3203168211198807973]
+    u = uniforms(np.full(5000, 9, np.uint64), np.arange(5000))
+    assert ((u > 0) & (u <= 1)).all() and abs(u.mean() - 0.5) < 0.02
+    assert len({derived_seed(42, i) for i in range(1, 100)} | {42}) == 100
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():

@@ -9,7 +9,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from replica_worker.engine.sampler import Sampler, SamplingRow
-from replica_worker.engine.sampling_ops import apply_penalties
+from replica_worker.engine.sampling_ops import apply_penalties_
 from replica_worker.engine.sampling_params import SamplingParams
 
 V = 50
@@ -40,7 +40,8 @@ def test_repetition_penalty_matches_transformers():
             for i, (p, o) in enumerate(hist)])
         counts = torch.stack([torch.bincount(torch.tensor(o, dtype=torch.long), minlength=V) for _, o in hist])
         in_prompt = torch.stack([torch.bincount(torch.tensor(p), minlength=V) > 0 for p, _ in hist])
-        got = apply_penalties(logits, counts.int(), in_prompt, torch.zeros(12), torch.zeros(12), torch.full((12,), penalty))
+        got = logits.clone()
+        apply_penalties_(got, counts.float(), in_prompt, torch.zeros(12), torch.zeros(12), torch.full((12,), penalty))
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
         # Through the sampler: greedy is argmax of the penalized logits.
         params = SamplingParams(temperature=0.0, repetition_penalty=penalty)
@@ -58,8 +59,9 @@ def test_presence_and_frequency_follow_the_openai_formula():
         batch = [SamplingRow(params, len(o), p, o) for p, o in hist]
         assert Sampler("cpu")(logits.clone(), batch).to_host().token_ids == expected.argmax(-1).tolist()
         counts = torch.stack([torch.bincount(torch.tensor(o, dtype=torch.long), minlength=V) for _, o in hist])
-        got = apply_penalties(logits, counts.int(), None, torch.full((12,), presence), torch.full((12,), frequency),
-                              torch.ones(12))
+        got = logits.clone()
+        apply_penalties_(got, counts.float(), None, torch.full((12,), presence), torch.full((12,), frequency),
+                         torch.ones(12))
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 

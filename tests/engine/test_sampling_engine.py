@@ -162,3 +162,14 @@ def test_seeded_requests_with_every_feature_ignore_batch_company(llm):
     assert crowd[1].outputs[0].token_ids == alone.token_ids
     for a, b in zip(crowd[1].outputs[0].logprobs, alone.logprobs):
         assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-5)
+
+
+def test_penalties_survive_preemption_and_chunking(path):
+    """Counts kept on the device stay right when a sequence is preempted and recomputed."""
+    prompts = [[17, 5, 240, 33], list(range(40, 101)), [(i * 37) % 500 + 3 for i in range(150)], [301, 302, 9]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=0.6,
+                            frequency_penalty=0.4, repetition_penalty=1.3)
+    roomy = LLM(path, chunk_size=32, num_blocks=256, max_num_batched_tokens=256).generate(prompts, params)
+    tight = LLM(path, chunk_size=16, num_blocks=60, max_num_batched_tokens=192, block_size=4).generate(prompts, params)
+    assert sum(o.metrics.num_preemptions for o in tight) > 0, "the tight cache was meant to force preemption"
+    assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
