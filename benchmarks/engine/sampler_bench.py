@@ -108,7 +108,8 @@ def run_case(name: str, args, device: torch.device) -> list[dict]:
     make, has_old = CASES[name]
     params = [make(i) for i in range(args.batch)]
     logits = torch.randn(args.batch, args.vocab, generator=torch.Generator().manual_seed(1)).mul_(3).to(device)
-    runners = [Runner(kind, params, args.vocab, device, args.seed) for kind in (("old", "new") if has_old else ("new",))]
+    kinds = ("old", "new") if has_old else ("new",)
+    runners = [Runner(kind, params, args.vocab, device, args.seed) for kind in kinds]
     times = {r.kind: ([], []) for r in runners}
     for r in runners:  # warm-up: lazy init, penalty slots
         time_call(r, logits, device)

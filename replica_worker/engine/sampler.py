@@ -152,7 +152,8 @@ class Sampler:
             rows, slots = dev["penalty_rows"], dev["penalty_slots"]
             in_prompt = state.in_prompt[slots] if plan.any_repetition else None
             target = logits if plan.all_penalties else logits[rows]
-            apply_penalties_(target, state.counts[slots], in_prompt, dev["presence"], dev["frequency"], dev["repetition"])
+            apply_penalties_(target, state.counts[slots], in_prompt,
+                             dev["presence"], dev["frequency"], dev["repetition"])
             if not plan.all_penalties:
                 logits[rows] = target
 

@@ -31,7 +31,8 @@ def test_stop_string_truncates_text(llm):
     text = greedy.text
     stop = text[len(text) // 2: len(text) // 2 + 2]
     assert stop.strip(), "need a visible stop string"
-    out = llm.generate(["the model"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+    out = llm.generate(["the model"], params)[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.text == text[: text.index(stop)]
     assert stop not in out.text

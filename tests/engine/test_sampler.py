@@ -188,7 +188,8 @@ def test_logprobs_are_of_the_raw_distribution():
     logits = logits_rows(4, seed=8)
     batch = [SamplingRow(SamplingParams(temperature=0.5, top_k=3, logprobs=5, seed=1), 0),
              SamplingRow(SamplingParams(temperature=0.0), 0),
-             SamplingRow(SamplingParams(temperature=0.0, logprobs=0, repetition_penalty=2.0), 1, [int(logits[2].argmax())], [9]),
+             SamplingRow(SamplingParams(temperature=0.0, logprobs=0, repetition_penalty=2.0), 1,
+                         [int(logits[2].argmax())], [9]),
              SamplingRow(SamplingParams(temperature=1.0, logprobs=2, presence_penalty=1.0), 2, [], [3, 3])]
     out = Sampler("cpu")(logits.clone(), batch).to_host()
     reference = torch.log_softmax(logits, -1)
