@@ -266,7 +266,7 @@ def offline(holder: dict, num: int, n_in: int, n_out: int):
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
     el = time.perf_counter() - t
-    produced = sum(len(o.token_ids) for o in outs)
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
     r = {"requests": num, "input_tokens": n_in, "output_tokens": n_out, "seconds": el,
          "output_tokens_per_s": produced / el, "total_tokens_per_s": (produced + num * n_in) / el,
          "graph_replays": (llm.engine.runner.graphs.replays - replays0) if llm.engine.runner.graphs else 0,

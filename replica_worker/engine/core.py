@@ -17,7 +17,8 @@ from replica_worker.engine.detokenizer import IncrementalDetokenizer
 from replica_worker.engine.errors import InvalidRequestError
 from replica_worker.engine.kv_events import KVCacheEvents, PrefixCacheStats
 from replica_worker.engine.model_runner import ModelRunner
-from replica_worker.engine.outputs import EngineLoad, RequestDelta, StepResult
+from replica_worker.engine.outputs import EngineLoad, RequestDelta, StepResult, TokenLogprobs
+from replica_worker.engine.sampler import SamplerOutput
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.schedulers import make_scheduler
 from replica_worker.engine.schedulers.base import AdmissionCapacity, ScheduledChunk
@@ -50,6 +51,16 @@ class EngineCore:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._step_id = 0
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        # The sampler needs them too: min_tokens keeps EOS from being sampled.
+        self._eos_token_ids = frozenset(ids)
+        self.runner.set_eos_token_ids(self._eos_token_ids)
+
     # ---- requests in ----
     def add_request(
         self,
@@ -80,6 +91,13 @@ class EngineCore:
             raise InvalidRequestError(f"request_id {request_id!r} is already running on this engine")
         if not prompt:
             raise InvalidRequestError("prompt is empty: give at least one token")
+        if params.n != 1:
+            raise InvalidRequestError(
+                f"n is {params.n}: the engine runs one sequence per request id; give each "
+                "completion its own request (LLM.generate expands n)")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise InvalidRequestError(
+                f"logprobs {params.logprobs} exceeds the vocabulary size {self.vocab_size}")
         context = len(prompt) + len(resume)
         if context >= self.max_model_len:
             raise InvalidRequestError(
@@ -102,6 +120,8 @@ class EngineCore:
     def abort_request(self, request_id: str) -> bool:
         seq = self.scheduler.abort_seq(request_id)
         self._detokenizers.pop(request_id, None)
+        if seq is not None:
+            self.runner.release(seq)
         return seq is not None
 
     # ---- the step ----
@@ -121,10 +141,10 @@ class EngineCore:
             step_time=time.perf_counter() - start,
         )
 
-    def _apply(self, chunks: list[ScheduledChunk], sampled: list[int]) -> list[RequestDelta]:
+    def _apply(self, chunks: list[ScheduledChunk], sampled: SamplerOutput) -> list[RequestDelta]:
         now = time.time()
         deltas = []
-        tokens = iter(sampled)
+        row = 0
         for chunk in chunks:
             seq = chunk.seq
             samples = chunk.samples  # read before advancing num_computed_tokens
@@ -132,21 +152,27 @@ class EngineCore:
             self.scheduler.cache_computed(seq)
             if not samples:
                 continue
-            token = next(tokens)
+            token = sampled.token_ids[row]
+            logprobs = sampled.logprobs[row] if sampled.logprobs is not None else None
+            row += 1
             offset = seq.num_output_tokens
             seq.append_token(token, now)
-            deltas.append(self._delta_after_token(seq, token, offset, now))
+            deltas.append(self._delta_after_token(seq, token, logprobs, offset, now))
         return deltas
 
-    def _delta_after_token(self, seq: Sequence, token: int, offset: int, now: float) -> RequestDelta:
+    def _delta_after_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None,
+                           offset: int, now: float) -> RequestDelta:
         status = self._stop_status(seq, token)
         detok = self._detokenizers.get(seq.seq_id)
         text = ""
         if detok is not None:
-            text, stop_string_hit = detok.step(final=status is not None)
+            # Stop strings, like EOS, cannot end a request before min_tokens.
+            may_stop = seq.num_output_tokens > seq.sampling_params.min_tokens
+            text, stop_string_hit = detok.step(final=status is not None, check_stop=may_stop)
             if stop_string_hit:
                 status = SequenceStatus.FINISHED_STOPPED
-        delta = RequestDelta(seq.seq_id, [token], text, offset, seq=seq)
+        delta = RequestDelta(seq.seq_id, [token], text, offset, seq=seq,
+                             logprobs=None if logprobs is None else [logprobs])
         if status is not None:
             self._finish(seq, status, now)
             delta.finish_reason = status.value
@@ -154,10 +180,12 @@ class EngineCore:
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         params = seq.sampling_params
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return SequenceStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            return SequenceStatus.FINISHED_STOPPED
+        # Before min_tokens the sampler masks EOS and stop ids; this keeps the rule if one slipped through.
+        if seq.num_output_tokens > params.min_tokens:
+            if not params.ignore_eos and token in self._eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return SequenceStatus.FINISHED_LENGTH
         if seq.num_tokens >= self.max_model_len:
@@ -167,6 +195,7 @@ class EngineCore:
     def _finish(self, seq: Sequence, status: SequenceStatus, now: float) -> None:
         seq.finish(status, now)
         self.scheduler.free_finished(seq)
+        self.runner.release(seq)
         self._detokenizers.pop(seq.seq_id, None)
 
     def _ignored_delta(self, seq: Sequence) -> RequestDelta:

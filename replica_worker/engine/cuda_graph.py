@@ -7,9 +7,9 @@ every row and their argmax. Its inputs are static buffers (input ids,
 positions, slots) plus the backend's fixed-size decode buffers; a step copies
 its inputs into them, pads the batch to the bucket (padding rows write to and
 read from the cache's scratch block), re-plans the bucket's decode wrapper
-and replays. Greedy rows read the in-graph argmax; other rows are sampled
-with torch from the graph's logits. The step's one host sync stays the read
-of the sampled ids.
+and replays. The sampler takes the graph's logits and its argmax, which is
+the whole answer when every row is plain greedy. The step's one host sync
+stays the read of the sampled ids (and logprobs).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from replica_worker.engine.attention import build_attention_metadata
-from replica_worker.engine.sampler import SamplingRow
+from replica_worker.engine.sampler import SamplerOutput
 
 if TYPE_CHECKING:
     from replica_worker.engine.model_runner import ModelRunner
@@ -127,8 +127,8 @@ class DecodeGraphs:
     def bucket_for(self, batch: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
-    def execute(self, chunks, sampling: list[int], rows: list[SamplingRow]) -> list[int]:
-        """chunks: one-token chunks, len <= max_batch. Ids for the sampling chunks."""
+    def execute(self, chunks, sampling: list[int], rows: list) -> SamplerOutput:
+        """chunks: one-token chunks, len <= max_batch; rows: the sampling chunks' sequences."""
         b = self.bucket_for(len(chunks))
         g = self.graphs[b]
         seqs = [c.seq for c in chunks]
@@ -144,12 +144,10 @@ class DecodeGraphs:
             g.graph.replay()
             self.replays += 1
             if not sampling:
-                return []
-            if all(r.params.greedy for r in rows):
-                ids = g.greedy[: len(chunks)]
-                if len(sampling) != len(chunks):
-                    ids = ids[torch.tensor(sampling, device=ids.device)]
-            else:
-                idx = torch.tensor(sampling, device=g.logits.device)
-                ids = self.runner.sampler(g.logits.index_select(0, idx), rows)
-            return ids.tolist()  # the step's one host sync
+                return SamplerOutput([])
+            logits, argmax = g.logits[: len(chunks)], g.greedy[: len(chunks)]
+            if len(sampling) != len(chunks):
+                idx = torch.tensor(sampling, device=logits.device)
+                logits, argmax = logits[idx], argmax[idx]
+            # The sampler may overwrite the graph's logits: the next replay rewrites them.
+            return self.runner.sampler(logits, rows, argmax=argmax).to_host()  # the step's one host sync

@@ -7,8 +7,11 @@ into blocks seq.block_ids that already cover them. The KV cache holds tokens
 one token. The runner never modifies sequences; the engine advances them.
 
 Host work per step: one pass over the chunks to build the inputs and the
-attention metadata, and one device-to-host sync (the sampled ids). Nothing
-host-side runs per layer except inside the plain torch backend.
+attention metadata, and one device-to-host sync (the sampled ids, with any
+logprobs). Nothing host-side runs per layer except inside the plain torch
+backend. The sampling rows are the sequences themselves: the sampler reads
+their settings and output index, and their token lists only when it builds
+a penalty row's counts (sampler.py, penalty_state.py).
 
 On CUDA the attention backend is flashinfer where it can serve the model
 (see attention.select_backend), and decode-only steps of up to max_num_seqs
@@ -29,7 +32,7 @@ from replica_worker.engine.attention import AttentionMetadata, build_attention_m
 from replica_worker.engine.config import EngineConfig
 from replica_worker.engine.kv_cache import KVCache, bytes_per_block, determine_num_blocks
 from replica_worker.engine.model import DTYPES, get_model, load_hf_config, sliding_window_of
-from replica_worker.engine.sampler import Sampler, SamplingRow
+from replica_worker.engine.sampler import Sampler, SampledBatch, SamplerOutput
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.sequence import Sequence
 
@@ -53,11 +56,17 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [S] rows that sample, in chunk order
-    sampling_rows: list[SamplingRow]
+    sampling_rows: list[Sequence]
 
 
 def _samples(chunk: ChunkLike) -> bool:
     return chunk.seq.num_computed_tokens + chunk.num_tokens == chunk.seq.num_tokens
+
+
+def eos_id_list(eos: int | list[int] | None) -> list[int]:
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else [t for t in eos if isinstance(t, int)]
 
 
 def _read_eos(model_dir: str, hf_config) -> int | list[int] | None:
@@ -98,7 +107,7 @@ class ModelRunner:
         self._sync()
         t1 = time.perf_counter()
         self.vocab_size: int = self.model.shape.vocab_size
-        self.sampler = Sampler(self.device, seed=mc.seed)
+        self.sampler = Sampler(self.device, seed=mc.seed, eos_token_ids=eos_id_list(self.eos_token_id))
 
         self.block_size = config.cache.block_size
         num_layers = self.model.shape.num_layers
@@ -128,21 +137,29 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    # ---- sampler state the engine owns ----
+    def set_eos_token_ids(self, ids) -> None:
+        """The EOS ids that min_tokens keeps from being sampled."""
+        self.sampler.set_eos_token_ids(ids)
+
+    def release(self, seq: Sequence) -> None:
+        """seq has left the engine (finished or aborted)."""
+        self.sampler.release(seq)
+
     # ---- one step ----
-    def execute(self, chunks: list[ChunkLike]) -> list[int]:
-        """Sampled token ids, one per chunk that samples, in chunk order."""
+    def execute(self, chunks: list[ChunkLike]) -> SamplerOutput:
+        """Sampled token ids (and logprobs), one per chunk that samples, in chunk order."""
         if not chunks:
-            return []
+            return SamplerOutput([])
         if self.graphs is not None and len(chunks) <= self.graphs.max_batch and all(c.num_tokens == 1 for c in chunks):
             sampling = [i for i, c in enumerate(chunks) if _samples(c)]
-            rows = [SamplingRow(chunks[i].seq.sampling_params, chunks[i].seq.num_output_tokens) for i in sampling]
-            return self.graphs.execute(chunks, sampling, rows)
+            return self.graphs.execute(chunks, sampling, [chunks[i].seq for i in sampling])
         inputs = self.prepare_inputs(chunks)
         with torch.inference_mode():
             sampled = self._run(inputs, self.kv_cache.layers)
-        return [] if sampled is None else sampled.tolist()  # the step's one host sync
+            return SamplerOutput([]) if sampled is None else sampled.to_host()  # the step's one host sync
 
-    def _run(self, inputs: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+    def _run(self, inputs: StepInputs, kv_caches: list[torch.Tensor]) -> SampledBatch | None:
         self.backend.prepare(inputs.metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.metadata)
         if not inputs.sampling_rows:
@@ -179,8 +196,7 @@ class ModelRunner:
             self.device,
             extra=(np.asarray(token_ids, dtype=np.int64), np.asarray([row_of[i] for i in sampling], dtype=np.int64)),
         )
-        rows = [SamplingRow(chunks[i].seq.sampling_params, chunks[i].seq.num_output_tokens) for i in sampling]
-        return StepInputs(input_ids, positions, md, logits_indices, rows)
+        return StepInputs(input_ids, positions, md, logits_indices, [chunks[i].seq for i in sampling])
 
     # ---- KV cache sizing on CUDA ----
     def _profile_run(self) -> None:
