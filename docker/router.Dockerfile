@@ -48,7 +48,7 @@ COPY common/ common/
 COPY router/ router/
 COPY docker/grpc_health_probe.py docker/
 USER 10001:10001
-EXPOSE 50051 9400
+EXPOSE 50051 9400 8000
 # Kubernetes uses its own gRPC probe; this serves docker and compose.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python", "docker/grpc_health_probe.py", "--addr", "localhost:50051"]

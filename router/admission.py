@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from common.tokenizer import load_tokenizer
+from common.tokenizer import encode_prompt, load_tokenizer
 from router.recovery import state_from_record
 from router.requests.request import RequestState
 from router.requests.spec import RequestSpec
@@ -126,7 +126,7 @@ class Admission:
         loop = asyncio.get_running_loop()
         try:
             tokenizer = await self.tokenizer()
-            return await loop.run_in_executor(self.executor, tokenizer.encode, prompt)
+            return await loop.run_in_executor(self.executor, encode_prompt, tokenizer, prompt)
         except Exception as exc:  # a tokenizer failure is answered, never swallowed
             raise RouterError(grpc.StatusCode.INTERNAL, f"tokenizing the prompt failed: {exc}",
                               "tokenizer") from exc

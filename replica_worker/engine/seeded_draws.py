@@ -13,22 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-GOLDEN = 0x9E3779B97F4A7C15
-_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-_MASK64 = (1 << 64) - 1
-
-
-def mix64(z: int) -> int:
-    """SplitMix64's finalizer on a Python int (a bijection of 64-bit words)."""
-    z &= _MASK64
-    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
-    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
-    return z ^ (z >> 31)
-
-
-def derived_seed(seed: int, index: int) -> int:
-    """A seed of its own for stream `index` of `seed` (completion index of n)."""
-    return mix64(seed ^ mix64(index * GOLDEN))
+# The scalar functions are shared with the router, which expands n completions
+# into n requests with these seeds.
+from common.seeds import GOLDEN, _MIX1, _MIX2, derived_seed, mix64  # noqa: E402,F401
 
 
 def stream_words(seeds: np.ndarray, indices: np.ndarray) -> np.ndarray:
