@@ -159,6 +159,7 @@ class RequestTable:
         if req.phase is Phase.QUEUED:
             self._confirmed[req.queue] = self._confirmed.get(req.queue, 0) + 1
         self.metrics.accepted.inc()
+        self.metrics.prompt_tokens.inc(req.prompt_len)
         self.on_queued()
 
     def forget_unstored(self, req: RequestState) -> None:
@@ -265,6 +266,7 @@ class RequestTable:
         args: list = []
         marks = []
         metrics = self.metrics
+        generated = 0
         for req, d in items:
             assert req.phase is Phase.RUNNING and req.owner == replica_id, (req.id, req.phase)
             tokens = d.token_ids
@@ -279,6 +281,7 @@ class RequestTable:
                     ft = repr(now)
                 req.tokens.extend(tokens)
                 req.last_token_at = now
+                generated += len(tokens)
             text = d.text.encode() if d.text else b""
             if text:
                 req.parts.append(d.text)
@@ -304,6 +307,8 @@ class RequestTable:
                 args += (req.id, tok_offset, packed, txt_offset, text, ft, fs, 0, "", "", "", "", "",
                          lp_offset, lp, ct)
             marks.append((req, len(req.tokens), len(req.parts), req.finished))
+        if generated:
+            metrics.generation_tokens.inc(generated)
         if self.writer.stalled:
             for req, n_tok, n_parts, finished in marks:
                 self._show(req, n_tok, n_parts, finished)
