@@ -101,6 +101,9 @@ class Sampler:
         self.rng = np.random.default_rng(seed)
         self.set_eos_token_ids(eos_token_ids)
         self._penalties: PenaltyState | None = None
+        # On the device once: assigning a Python float through advanced indexing
+        # copies it from pageable host memory, which synchronizes the stream.
+        self._neg_inf = torch.tensor(float("-inf"), device=self.device)
 
     def penalty_state(self, vocab_size: int) -> PenaltyState:
         if self._penalties is None:
@@ -145,7 +148,7 @@ class Sampler:
     def _process_(self, logits: torch.Tensor, plan: SamplingPlan, dev: dict) -> None:
         """min_tokens masks, then penalties, in place."""
         if "mask_rows" in dev:
-            logits[dev["mask_rows"], dev["mask_tokens"]] = float("-inf")
+            logits.index_put_((dev["mask_rows"], dev["mask_tokens"]), self._neg_inf)
         if plan.penalty_slots is not None:
             state = self._penalties  # assigned by the plan
             state.rebuild(dev)

@@ -107,7 +107,10 @@ def test_graphs_match_eager(model_dir):
 
 @needs_flashinfer
 def test_sampling_through_graphs_is_seeded(model_dir):
-    llm = LLM(model_dir, device="cuda", dtype="bfloat16", **ENGINE)
+    # Prefix caching off: the second call would hit the first one's blocks and
+    # compute its prompts' last token as a decode, and bf16 logits differ with
+    # how they are computed (docs/engine.md, the seed guarantee).
+    llm = LLM(model_dir, device="cuda", dtype="bfloat16", enable_prefix_caching=False, **ENGINE)
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i, max_tokens=12, ignore_eos=True)
               for i in range(len(PROMPTS))]
     a = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
