@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 from tokenizers import processors
@@ -94,9 +95,15 @@ def test_chat_renders_the_template_and_generates(tiny_model, tmp_path):
                                                                          add_generation_prompt=True)]
 
 
-def test_chat_without_a_template_says_so(llm):
+def test_chat_without_a_template_says_so(tiny_model, tmp_path):
+    def drop_template(tok):
+        tok.chat_template = None
+
+    path = _folder_with_tokenizer(tiny_model, tmp_path / "plain", drop_template)
+    for leftover in Path(path).glob("chat_template*"):
+        leftover.unlink()
     with pytest.raises(ValueError, match="no chat template"):
-        llm.chat([{"role": "user", "content": "hi"}])
+        LLM(path, chunk_size=16).chat([{"role": "user", "content": "hi"}])
 
 
 def test_offline_and_router_encoding_agree_on_bos(tiny_model, tmp_path):
