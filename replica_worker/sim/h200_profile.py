@@ -14,12 +14,13 @@ its steps is compared with the job's seconds. That sum leaves out the
 engine's own host work per step (scheduling, block tables), which a
 simulated replica does for real rather than model.
 
-Every decode row has context 1024, so per-sequence and per-KV-token costs are
-collinear in the data: per_kv_token_s is fixed at the KV bytes a token holds
-read at the copy bandwidth measured in the same runs (attention must at least
-read the KV once), and per_decode_seq_s takes the rest of the decode slope
-(the matmuls turn compute-bound as the batch grows). A decode run at several
-contexts would let the fit free it (validate_sim.sh records one).
+While every decode row has context 1024, per-sequence and per-KV-token costs
+are collinear in the data: per_kv_token_s is then fixed at the KV bytes a
+token holds read at the copy bandwidth measured in the same runs (attention
+must at least read the KV once), and per_decode_seq_s takes the rest of the
+decode slope (the matmuls turn compute-bound as the batch grows). Decode rows
+at other contexts (benchmarks/gpu/bench_decode_contexts.py, saved beside the
+runs as CONTEXTS_RUN) are fitted too when present, and free it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from replica_worker.sim.fit import Point, fit_points, profile_entry
 
 NAME = "h200-8b"
 RUNS = ("engine_h200_fused.json", "engine_h200_fused_offline.json")
+CONTEXTS_RUN = "engine_h200_decode_contexts.json"
 # Llama-3.1-8B: 32 layers, 8 KV heads of 128, K and V in bf16.
 KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
 VOCAB_SIZE = 128256
@@ -56,18 +58,28 @@ def _prefill_point(row: dict, source: str) -> Point:
     return Point(f"prefill {n} tokens", source, features, row["time_ms"] / 1e3)
 
 
-def replay_offline(num_kv_blocks: int, num: int, n_in: int, n_out: int) -> tuple[StepFeatures, int]:
-    """The offline job's steps through the real scheduler, without waiting: their
-    summed features and how many were decode-only (the run's graph replays)."""
-    zero = Profile("replay", CostModel(0, 0, 0, 0, 0), VOCAB_SIZE, MAX_MODEL_LEN, num_kv_blocks)
-    engine = SimulatedEngine.from_profile(zero, "sarathi", time_scale=0, record=True,
-                                          num_blocks=num_kv_blocks, **OFFLINE_SETTINGS)
-    rng = random.Random(2)  # bench_engine.offline's prompts
+def run_offline_job(engine: SimulatedEngine, num: int, n_in: int, n_out: int) -> None:
+    """bench_engine.offline's job: its prompts, all at once, stepped to the end."""
+    rng = random.Random(2)
     params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
     for i in range(num):
         engine.add_request(f"offline-{i}", [rng.randrange(128000) for _ in range(n_in)], params)
     while engine.has_unfinished():
         engine.step()
+
+
+def offline_engine(profile: Profile, num_kv_blocks: int, time_scale: float) -> SimulatedEngine:
+    """A simulated engine with the offline run's settings."""
+    return SimulatedEngine.from_profile(profile, "sarathi", time_scale=time_scale, record=True,
+                                        num_blocks=num_kv_blocks, **OFFLINE_SETTINGS)
+
+
+def replay_offline(num_kv_blocks: int, num: int, n_in: int, n_out: int) -> tuple[StepFeatures, int]:
+    """The offline job's steps through the real scheduler, without waiting: their
+    summed features and how many were decode-only (the run's graph replays)."""
+    zero = Profile("replay", CostModel(0, 0, 0, 0, 0), VOCAB_SIZE, MAX_MODEL_LEN, num_kv_blocks)
+    engine = offline_engine(zero, num_kv_blocks, time_scale=0)
+    run_offline_job(engine, num, n_in, n_out)
     steps = engine.runner.steps
     decode_only = sum(1 for s in steps if all(n == 1 for _, n, _ in s.chunks) and len(s.chunks) <= 256)
     return engine.runner.totals, decode_only
@@ -89,6 +101,12 @@ def h200_points(results: Path) -> tuple[list[Point], list[float], list[tuple[Poi
             label = f"offline {off['requests']} x {off['input_tokens']} in / {off['output_tokens']} out"
             jobs.append((Point(label, source, features, off["seconds"]),
                          {"decode_only_steps": decode_only, "graph_replays_measured": off["graph_replays"]}))
+    contexts = results / CONTEXTS_RUN
+    if contexts.exists():
+        run = json.loads(contexts.read_text())
+        bandwidths.append(run["ceilings"]["copy_bandwidth_TBps"] * 1e12)
+        points += [_decode_point(r, f"benchmarks/results/gpu/{CONTEXTS_RUN}") for key, section in run.items()
+                   if key.startswith("decode_context_") for r in section.get("rows", [])]
     return points, bandwidths, jobs
 
 
@@ -104,15 +122,16 @@ def _job_check(cost: CostModel, job: Point, counts: dict) -> dict:
 def h200_profile(results: Path) -> tuple[str, dict]:
     points, bandwidths, jobs = h200_points(results)
     bandwidth = sum(bandwidths) / len(bandwidths)
-    per_kv_token = KV_BYTES_PER_TOKEN / bandwidth
-    fit = fit_points(points, fixed={"per_kv_token_s": per_kv_token})
+    one_context = len({p.features.kv_tokens / p.features.decode_seqs for p in points if p.features.decode_seqs}) == 1
+    fixed = {"per_kv_token_s": KV_BYTES_PER_TOKEN / bandwidth} if one_context else {}
+    fit = fit_points(points, fixed=fixed)
     checks = {"offline_jobs": [_job_check(fit.cost, job, counts) for job, counts in jobs]}
     startup = json.loads((results / RUNS[-1]).read_text())["startup"]
     shape = {"vocab_size": VOCAB_SIZE, "max_model_len": MAX_MODEL_LEN,
              "num_kv_blocks": startup["num_kv_blocks"], "block_size": 16}
     why = {"per_kv_token_s": f"{KV_BYTES_PER_TOKEN} KV bytes per token / {bandwidth / 1e12:.3f} TB/s "
-                             "measured copy bandwidth: every decode row has context 1024, so the data "
-                             "cannot tell per-sequence from per-KV-token cost"}
+                             "measured copy bandwidth: every decode row has one context, so the data "
+                             "cannot tell per-sequence from per-KV-token cost"} if fixed else {}
     return NAME, profile_entry(
         fit, description="one H200, Llama-3.1-8B shape, bf16 dummy weights, flashinfer fa2 + CUDA graphs, "
                          "fused Triton kernels; step = runner.execute wall time (host work and the id sync in)",
