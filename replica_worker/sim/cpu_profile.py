@@ -102,4 +102,4 @@ def cpu_profile(reps: int = 7, threads: int = 1) -> tuple[str, dict]:
     return NAME, profile_entry(
         fit, description=f"tiny random Llama ({model.name}) on this CPU, float32, torch threads {threads}; "
                          f"step = runner.execute wall time, median of {reps}",
-        shape=shape, fixed_why={}, extra={"torch_threads": threads})
+        shape=shape, fixed_why={}, extra={"torch_threads": threads, "load_average": os.getloadavg()})
