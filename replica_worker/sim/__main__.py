@@ -15,7 +15,11 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from replica_worker.sim.config import parse_args
 
-    config = parse_args(argv)
+    try:
+        config = parse_args(argv)
+    except ValueError as exc:  # a bad setting: say which, without a traceback
+        print(f"python -m replica_worker.sim: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s sim {config.replica_id} %(levelname)s %(message)s")
     from replica_worker.sim.replicas import build_workers, run_workers
@@ -35,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         asyncio.run(run())
-    except FatalRegistrationError as exc:
+    except (FatalRegistrationError, ValueError) as exc:  # refused, or an unknown profile
         logging.error("%s", exc)
         return 2
     return 0

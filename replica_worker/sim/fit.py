@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("measure-cpu", help="measure the tiny model here and fit cpu-tiny")
     m.add_argument("--reps", type=int, default=7)
     m.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=str(PROFILES_PATH))
+    for q in (f, m):
+        q.add_argument("--out", default=str(PROFILES_PATH), help="the profiles file (other profiles are kept)")
     a = p.parse_args(argv)
     if a.cmd == "fit":
         from replica_worker.sim.h200_profile import h200_profile
