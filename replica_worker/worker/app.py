@@ -23,15 +23,20 @@ def build_worker(config: WorkerConfig) -> ReplicaWorker:
         config.model, scheduler=config.scheduler, device=config.device, **dict(config.engine_args)
     )
     engine = EngineCore(engine_cfg, load_tokenizer(config.model))
-    sched = engine_cfg.scheduler
+    log.info("engine ready: %s on %s, %d KV blocks, scheduler %s",
+             config.model_name, config.device, engine.runner.num_blocks, engine_cfg.scheduler.name)
+    return worker_for(config, engine)
+
+
+def worker_for(config: WorkerConfig, engine: EngineCore) -> ReplicaWorker:
+    """A worker around a ready engine (a real one, or replica_worker/sim's), advertising its capacity."""
+    sched = engine.config.scheduler
     capacity = pb.ReplicaCapacity(
         max_num_seqs=sched.max_num_seqs,
         num_kv_blocks=engine.runner.num_blocks,
-        block_size=engine_cfg.cache.block_size,
+        block_size=engine.config.cache.block_size,
         max_batch_tokens=sched.chunk_size,
         max_model_len=engine.max_model_len,
         prefetch=config.prefetch,
     )
-    log.info("engine ready: %s on %s, %d KV blocks, scheduler %s",
-             config.model_name, config.device, engine.runner.num_blocks, sched.name)
     return ReplicaWorker(config, engine, capacity)
