@@ -36,9 +36,11 @@ def _eos_ids(*sources) -> frozenset[int]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, tokenizer=None):
+    def __init__(self, config: EngineConfig, tokenizer=None, runner=None):
+        """runner: what runs the batches (ModelRunner(config) when not given; a
+        simulated replica gives one that waits instead of computing)."""
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = runner if runner is not None else ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.scheduler = make_scheduler(

@@ -14,7 +14,6 @@ from __future__ import annotations
 from replica_worker.engine.config import EngineConfig
 from replica_worker.engine.core import EngineCore
 from replica_worker.engine.llm import engine_config
-from replica_worker.engine.schedulers import make_scheduler
 from replica_worker.sim.cost_model import Profile
 from replica_worker.sim.runner import SimulatedRunner
 
@@ -45,17 +44,7 @@ class SimulatedEngine(EngineCore):
     """Same interface and behaviour as EngineCore; only the runner differs."""
 
     def __init__(self, config: EngineConfig, runner: SimulatedRunner):
-        # EngineCore's constructor would load a model into a ModelRunner: this one
-        # sets the same attributes around the simulated runner instead.
-        self.config = config
-        self.runner = runner
-        self.max_model_len = runner.max_model_len
-        self.vocab_size = runner.vocab_size
-        self.scheduler = make_scheduler(config.scheduler, config.cache, runner.num_blocks, self.max_model_len)
-        self.tokenizer = RuleTokenizer()
-        self.eos_token_ids = frozenset() if runner.eos_token_id is None else frozenset({runner.eos_token_id})
-        self._detokenizers = {}
-        self._step_id = 0
+        super().__init__(config, RuleTokenizer(), runner=runner)
 
     @classmethod
     def from_profile(cls, profile: Profile, scheduler: str = "sarathi", *, vocab_size: int | None = None,

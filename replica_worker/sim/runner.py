@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from replica_worker.engine.sampler import SamplerOutput
 from replica_worker.sim.cost_model import CostModel, StepFeatures, features_of
 
 
@@ -54,7 +55,13 @@ class SimulatedRunner:
         self.modelled_s = 0.0  # sum of every step's modelled time
         self.steps: list[ScheduledStep] | None = [] if record else None
 
-    def execute(self, chunks) -> list[int]:
+    def set_eos_token_ids(self, ids) -> None:
+        """Rule tokens are not sampled: nothing masks EOS."""
+
+    def release(self, seq) -> None:
+        """Nothing is held per sequence."""
+
+    def execute(self, chunks) -> SamplerOutput:
         """One token per chunk that reaches its sequence's last known token, in chunk order."""
         features = features_of(chunks)
         seconds = self.cost.time_of(features)
@@ -68,4 +75,4 @@ class SimulatedRunner:
         ]
         if self.time_scale:
             time.sleep(seconds * self.time_scale)
-        return sampled
+        return SamplerOutput(sampled, None)
