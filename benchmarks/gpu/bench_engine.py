@@ -173,7 +173,8 @@ def decode(holder: dict, batches, ceil: dict, steps: int, profile: bool):
     blocks_per_seq = -(-(CTX + 1) // bs)
     _fill_kv(runner, min(runner.num_blocks, max(batches) * blocks_per_seq))
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    embed_bytes = runner.model.embed_tokens.numel() * runner.model.embed_tokens.element_size()
+    embed = runner.model.embed_tokens.weight
+    embed_bytes = embed.numel() * embed.element_size()
     bw = ceil.get("copy_bandwidth_TBps", 4.3) * 1e12
     rng = random.Random(0)
     out = []
