@@ -37,7 +37,12 @@ def _eos_ids(*sources) -> frozenset[int]:
 class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer=None):
         self.config = config
-        self.runner = ModelRunner(config)
+        self._tensor_parallel = None
+        if config.parallel.tensor_parallel_size > 1:
+            from replica_worker.engine.distributed.leader import TensorParallelLeader
+
+            self._tensor_parallel = TensorParallelLeader(config)  # this process is rank 0
+        self.runner = ModelRunner(config, self._tensor_parallel and self._tensor_parallel.ranks)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.scheduler = make_scheduler(
@@ -176,6 +181,22 @@ class EngineCore:
             error="request can never be scheduled on this replica (too long for its KV cache)",
             seq=seq,
         )
+
+    @property
+    def tensor_parallel(self):
+        """The TensorParallelLeader when this engine spans several ranks, else None."""
+        return self._tensor_parallel
+
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks, if any (also done at interpreter exit)."""
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.shutdown()
+
+    @property
+    def step_errors_recoverable(self) -> bool:
+        """False under tensor parallelism: a step that failed on rank 0 may have left the
+        other ranks inside a collective, so no later step can be trusted."""
+        return self._tensor_parallel is None
 
     # ---- what the worker asks ----
     def has_unfinished(self) -> bool:
