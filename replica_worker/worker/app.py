@@ -32,6 +32,9 @@ def build_worker(config: WorkerConfig) -> ReplicaWorker:
         max_model_len=engine.max_model_len,
         prefetch=config.prefetch,
     )
-    log.info("engine ready: %s on %s, %d KV blocks, scheduler %s",
-             config.model_name, config.device, engine.runner.num_blocks, sched.name)
+    # Under tensor parallelism this process is rank 0 (EngineCore started the other
+    # ranks): it alone talks to the router, as one replica with the ranks' KV blocks.
+    log.info("engine ready: %s on %s, %d KV blocks, scheduler %s, tensor parallel %d",
+             config.model_name, config.device, engine.runner.num_blocks, sched.name,
+             engine_cfg.parallel.tensor_parallel_size)
     return ReplicaWorker(config, engine, capacity)
