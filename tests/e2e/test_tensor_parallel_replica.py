@@ -8,9 +8,14 @@ import re
 import signal
 import time
 
-from common.pb.quadriga.v1 import generation_pb2 as pb
 from common.redis_server import free_port
-from tests.e2e.test_end_to_end import PROMPTS, generate, generate_all, replica_metric
+from tests.e2e.test_end_to_end import (
+    PROMPTS,
+    generate_all,
+    generate_and_fail_midway,
+    replica_metric,
+    requeues_of_exact_results,
+)
 
 TP = ("--tensor-parallel-size", "2")
 
@@ -52,23 +57,13 @@ def test_one_replica_exact_tokens_and_a_dead_rank_moves_its_work(live_stack, hf_
 
     max_tokens = 200
 
-    async def scenario():
-        progress = [[0] for _ in PROMPTS[:4]]
-        tasks = [asyncio.create_task(generate(stack.address, p, max_tokens, progress=n))
-                 for p, n in zip(PROMPTS, progress)]
-        while min(n[0] for n in progress) < 3:
-            await asyncio.sleep(0.01)
-        assert max(n[0] for n in progress) < max_tokens
+    async def kill_rank1_and_add_a_replica():
         os.kill(rank1, signal.SIGKILL)
         await asyncio.to_thread(stack.start_replica, "r1")
-        return await asyncio.gather(*tasks)
 
-    results = asyncio.run(scenario())
-    requeued = 0
-    for prompt, (tokens, last) in zip(PROMPTS, results):
-        assert tokens == hf_reference(prompt, max_tokens)
-        assert last.finish_reason == pb.FINISH_REASON_LENGTH
-        requeued += last.timings.requeues
+    results = asyncio.run(generate_and_fail_midway(stack.address, PROMPTS[:4], max_tokens,
+                                                   kill_rank1_and_add_a_replica, min_tokens=3))
+    requeued = requeues_of_exact_results(PROMPTS, results, hf_reference, max_tokens)
     assert requeued > 0, "rank 1's death should have moved tp0's requests to r1"
     assert tp.proc.wait(30) == 70
     assert re.search(rf"tensor-parallel rank 1 \(pid {rank1}\) exited with status -9", tp.log_path.read_text())
