@@ -6,8 +6,9 @@
 Started by rank 0 (leader.py), never by hand. It holds no sequences, no scheduler and no
 sampler: each step it receives rank 0's batch, runs the forward on its heads' KV cache
 (the block ids rank 0's block manager chose) and takes part in the collectives. It exits
-when rank 0 says stop or dies (its pipe reaches EOF); an error here ends this process,
-and rank 0 exits on seeing it go.
+when rank 0 says stop (over the step channel, then both leave the process group), or
+when rank 0 dies (the pipe from it reaches EOF). An error here ends this process, and
+rank 0 exits on seeing it go.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import threading
 
 log = logging.getLogger("replica_worker.tp_follower")
 
-STOP = b"stop"  # what rank 0 writes to the pipe before closing it on a deliberate stop
+STOP = b"stop"  # rank 0 writes it to the pipe on a deliberate stop: exit quietly
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from replica_worker.engine.config import EngineConfig
     from replica_worker.engine.distributed.group import RankContext
     from replica_worker.engine.distributed.step_channel import StepChannel
-    from replica_worker.engine.distributed.torch_group import join
+    from replica_worker.engine.distributed.torch_group import join, leave
     from replica_worker.engine.model_runner import ModelRunner
 
     if args.threads:
@@ -68,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     channel = StepChannel(host, config.cache.block_size)
     runner = ModelRunner(config, RankContext(tensors, args.device, channel))
     log.info("ready on %s with %d KV blocks; following rank 0", args.device, runner.num_blocks)
-    while True:
-        runner.run_batch(channel.receive(), None)
+    while (batch := channel.receive()) is not None:
+        runner.run_batch(batch, None)
+    leave()
+    return 0
 
 
 if __name__ == "__main__":

@@ -62,12 +62,18 @@ class _Follower:
 
 
 def check_splits(config: EngineConfig) -> None:
-    """Raises ValueError, before any process starts, when the model does not split."""
+    """Raises ValueError, before any process starts, when the model does not split
+    or the GPUs its ranks would run on are not there."""
+    size = config.parallel.tensor_parallel_size
     shape = LlamaShape.from_hf_config(load_hf_config(config.model.model))
-    problem = tensor_parallel_problem(shape.num_heads, shape.num_kv_heads, shape.intermediate_size,
-                                      config.parallel.tensor_parallel_size)
+    problem = tensor_parallel_problem(shape.num_heads, shape.num_kv_heads, shape.intermediate_size, size)
     if problem:
         raise ValueError(f"{config.model.model} cannot run tensor-parallel: {problem}")
+    if config.device != "cpu":
+        last = rank_device(config.device, size - 1)
+        if int(last.partition(":")[2]) >= torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {size} runs its last rank on {last}, "
+                             f"but {torch.cuda.device_count()} GPUs are visible")
 
 
 class TensorParallelLeader:
@@ -131,23 +137,34 @@ class TensorParallelLeader:
         os._exit(RANK_FAILED_EXIT)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stops ranks 1..N-1 and leaves the process group. Idempotent."""
+        """Stops ranks 1..N-1 and leaves the process group. Idempotent.
+
+        First together: a stop over the step channel, and every rank leaves the group
+        (NCCL's teardown may want its peers). Then the pipes: "stop" and EOF for a rank
+        that is somehow still there, and a kill past the timeout."""
         with self._lock:
             if self._stopping:
                 return
             self._stopping = True
         atexit.unregister(self.shutdown)
-        for f in self._followers:
-            try:
-                os.write(f.life_fd, STOP)
-            except OSError:
-                pass  # the rank is gone already
-            os.close(f.life_fd)
+        try:
+            self.ranks.steps.publish_stop()
+            leave()
+        except Exception as exc:  # a rank already gone: the pipes below still end the rest
+            log.warning("tensor-parallel ranks did not stop together: %s", exc)
         for f in self._followers:
             try:
                 f.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                log.warning("tensor-parallel rank %d did not stop within %.0f s; killing it", f.rank, timeout)
+                log.warning("tensor-parallel rank %d did not stop within %.0f s", f.rank, timeout)
+            try:
+                os.write(f.life_fd, STOP)
+            except OSError:
+                pass  # the rank is gone
+            os.close(f.life_fd)
+            try:
+                f.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
                 f.proc.kill()
                 f.proc.wait()
         leave()

@@ -3,7 +3,8 @@
 A step is two int64 broadcasts: a fixed header (the counts), then one payload with
 every array of the StepBatch back to back. Plain integers, no pickle. Only the
 blocks a sequence's context covers this step are sent (a reserving scheduler
-allocates for the whole request up front).
+allocates for the whole request up front). A header with a negative sequence count
+says stop.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from replica_worker.engine.step_batch import StepBatch
 
 _HEADER = 5  # sequences, prefills, tokens, sampled rows, blocks
+_STOP = -1
 
 
 class StepChannel:
@@ -35,12 +37,17 @@ class StepChannel:
         dist.broadcast(header, 0, group=self.group)
         dist.broadcast(torch.from_numpy(payload), 0, group=self.group)
 
+    def publish_stop(self) -> None:
+        dist.broadcast(torch.tensor([_STOP] + [0] * (_HEADER - 1), dtype=torch.int64), 0, group=self.group)
+
     # ---- the other ranks ----
-    def receive(self) -> StepBatch:
-        """Blocks until rank 0 publishes the next step."""
+    def receive(self) -> StepBatch | None:
+        """Blocks until rank 0 publishes the next step; None when it says stop."""
         header = torch.empty(_HEADER, dtype=torch.int64)
         dist.broadcast(header, 0, group=self.group)
         num_seqs, num_prefills, num_tokens, num_samples, num_blocks = header.tolist()
+        if num_seqs == _STOP:
+            return None
         payload = torch.empty(3 * num_seqs + num_blocks + num_tokens + num_samples, dtype=torch.int64)
         dist.broadcast(payload, 0, group=self.group)
         nc, nt, needed, flat_blocks, token_ids, sample_rows = np.split(
