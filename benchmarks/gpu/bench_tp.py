@@ -40,9 +40,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu.bench_engine import _fill_kv, cuda_time, wall_time, write_llama31_8b_config  # noqa: E402
+from benchmarks.gpu.bench_engine import (  # noqa: E402
+    CTX,
+    LLAMA31_8B,
+    LLAMA31_70B,
+    _fill_kv,
+    cuda_time,
+    wall_time,
+    write_llama31_config,
+)
 
-CTX = 1024
+# This script's own figures (bench_engine.py keeps its own).
 RESULTS: dict = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
 OUT: Path | None = None
 
@@ -50,20 +58,6 @@ OUT: Path | None = None
 def save() -> None:
     if OUT is not None:
         OUT.write_text(json.dumps(RESULTS, indent=2))
-
-
-def write_llama31_70b_config(path: Path) -> Path:
-    import transformers
-
-    transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
-        rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
-        eos_token_id=[128001, 128008, 128009], rms_norm_eps=1e-5, torch_dtype="bfloat16",
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    ).save_pretrained(str(path))
-    return path
 
 
 # ---- ceilings (a child process: one GPU in it, two in processes it spawns) ----
@@ -227,10 +221,10 @@ def run_child(name: str, args, ceil: dict) -> dict:
     tp = int(tp)
     tmp = Path(tempfile.mkdtemp())
     if shape == "8b":
-        model = write_llama31_8b_config(tmp / "llama31-8b-shape")
+        model = write_llama31_config(tmp / "llama31-8b-shape", LLAMA31_8B)
         batches, seats, chunk = ([1, 32] if args.smoke else [1, 32, 256]), (32 if args.smoke else 256), 8192
     else:
-        model = write_llama31_70b_config(tmp / "llama31-70b-shape")
+        model = write_llama31_config(tmp / "llama31-70b-shape", LLAMA31_70B)
         batches, seats, chunk = [1, 64], 64, 4096
     r: dict = {}
     llm, r["startup"] = startup(str(model), tp, seats, chunk)
