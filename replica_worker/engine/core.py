@@ -42,7 +42,11 @@ class EngineCore:
             from replica_worker.engine.distributed.leader import TensorParallelLeader
 
             self._tensor_parallel = TensorParallelLeader(config)  # this process is rank 0
-        self.runner = ModelRunner(config, self._tensor_parallel and self._tensor_parallel.ranks)
+        try:
+            self.runner = ModelRunner(config, self._tensor_parallel and self._tensor_parallel.ranks)
+        except BaseException:
+            self._abort_ranks("rank 0 failed to start its runner")
+            raise
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.scheduler = make_scheduler(
@@ -116,7 +120,12 @@ class EngineCore:
         out = self.scheduler.schedule()
         deltas = [self._ignored_delta(seq) for seq in out.ignored]
         if out.chunks:
-            sampled = self.runner.execute(out.chunks)
+            try:
+                sampled = self.runner.execute(out.chunks)
+            except BaseException:
+                # The other ranks may be inside this step's collectives: no later step could pair with them.
+                self._abort_ranks("a step failed on rank 0")
+                raise
             deltas.extend(self._apply(out.chunks, sampled))
         return StepResult(
             deltas=deltas,
@@ -191,6 +200,10 @@ class EngineCore:
         """Stops the other tensor-parallel ranks, if any (also done at interpreter exit)."""
         if self._tensor_parallel is not None:
             self._tensor_parallel.shutdown()
+
+    def _abort_ranks(self, reason: str) -> None:
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.abort(reason)
 
     @property
     def step_errors_recoverable(self) -> bool:

@@ -82,4 +82,4 @@ def test_the_ranks_end_with_rank_zero(live_stack):
     tp.proc.kill()
     tp.proc.wait(10)
     wait_gone(rank1)
-    assert "rank 0 exited; tensor-parallel rank 1 exits with it" in tp.log_path.read_text()
+    assert "rank 0 exited or gave up on the ranks; tensor-parallel rank 1 exits with it" in tp.log_path.read_text()

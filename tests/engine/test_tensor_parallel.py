@@ -114,6 +114,21 @@ def test_a_model_that_does_not_split_is_refused_before_any_process_starts(tmp_pa
     assert not dist.is_initialized()
 
 
+def test_a_failed_step_ends_the_other_ranks_and_later_steps_say_why(tiny_model, monkeypatch):
+    with tp_llm(tiny_model) as llm:
+        pids = llm.engine.tensor_parallel.follower_pids
+
+        def fail(batch, rows):  # after the batch went out: rank 1 is left inside the step
+            raise RuntimeError("boom on rank 0")
+
+        monkeypatch.setattr(llm.engine.runner, "run_batch", fail)
+        with pytest.raises(RuntimeError, match="boom on rank 0"):
+            llm.generate([[5, 6, 7]], GREEDY)
+        assert all(_gone(p) for p in pids)
+        with pytest.raises(RuntimeError, match="ranks are stopped: a step failed on rank 0"):
+            llm.generate([[5, 6, 7]], GREEDY)
+
+
 def test_one_rank_never_touches_torch_distributed(tiny_model):
     code = (
         "import sys, torch.distributed as dist\n"

@@ -41,7 +41,7 @@ def _exit_with_leader(fd: int, rank: int) -> None:
     said = os.read(fd, len(STOP))  # blocks until rank 0 writes or its end closes
     if said == STOP:
         os._exit(0)
-    log.error("rank 0 exited; tensor-parallel rank %d exits with it", rank)
+    log.error("rank 0 exited or gave up on the ranks; tensor-parallel rank %d exits with it", rank)
     logging.shutdown()
     os._exit(1)
 

@@ -91,7 +91,11 @@ class TensorParallelLeader:
         self._followers = [self._spawn(config, rank) for rank in range(1, self.size)]
         atexit.register(self.shutdown)
         device = rank_device(config.device, 0)
-        tensors, host = join(0, self.size, self._store, torch.device(device))
+        try:
+            tensors, host = join(0, self.size, self._store, torch.device(device))
+        except BaseException:
+            self.abort("rank 0 could not join the process group")
+            raise
         self.ranks = RankContext(tensors, device, StepChannel(host, config.cache.block_size))
         log.info("tensor parallel: %d ranks joined (rank 0 on %s)", self.size, device)
 
@@ -136,39 +140,63 @@ class TensorParallelLeader:
         logging.shutdown()
         os._exit(RANK_FAILED_EXIT)
 
+    def _begin_stop(self) -> bool:
+        """True for the one caller that gets to stop the ranks (and disarms the watchers)."""
+        with self._lock:
+            if self._stopping:
+                return False
+            self._stopping = True
+        atexit.unregister(self.shutdown)
+        return True
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops ranks 1..N-1 and leaves the process group. Idempotent.
 
         First together: a stop over the step channel, and every rank leaves the group
         (NCCL's teardown may want its peers). Then the pipes: "stop" and EOF for a rank
         that is somehow still there, and a kill past the timeout."""
-        with self._lock:
-            if self._stopping:
-                return
-            self._stopping = True
-        atexit.unregister(self.shutdown)
+        if not self._begin_stop():
+            return
         try:
             self.ranks.steps.publish_stop()
             leave()
         except Exception as exc:  # a rank already gone: the pipes below still end the rest
             log.warning("tensor-parallel ranks did not stop together: %s", exc)
+        self._end_followers(STOP, timeout)
+        leave()
+        torch.set_num_threads(self._threads_before)
+
+    def abort(self, reason: str, timeout: float = 10.0) -> None:
+        """Ends ranks 1..N-1 without a word over the channel, which a failed step (or
+        start-up) may have left out of step: each sees its pipe close and exits. Later
+        steps raise RuntimeError(reason)."""
+        if not self._begin_stop():
+            return
+        log.error("stopping the tensor-parallel ranks: %s", reason)
+        ranks = getattr(self, "ranks", None)
+        if ranks is not None:
+            ranks.steps.close(reason)
+        self._end_followers(b"", timeout)
+        leave()
+        torch.set_num_threads(self._threads_before)
+
+    def _end_followers(self, word: bytes, timeout: float) -> None:
         for f in self._followers:
-            try:
-                f.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("tensor-parallel rank %d did not stop within %.0f s", f.rank, timeout)
-            try:
-                os.write(f.life_fd, STOP)
-            except OSError:
-                pass  # the rank is gone
+            if word:
+                try:
+                    f.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    log.warning("tensor-parallel rank %d did not stop within %.0f s", f.rank, timeout)
+                try:
+                    os.write(f.life_fd, word)
+                except OSError:
+                    pass  # the rank is gone
             os.close(f.life_fd)
             try:
                 f.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 f.proc.kill()
                 f.proc.wait()
-        leave()
-        torch.set_num_threads(self._threads_before)
 
     @property
     def follower_pids(self) -> list[int]:

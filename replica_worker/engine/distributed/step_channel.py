@@ -23,9 +23,16 @@ class StepChannel:
     def __init__(self, group: dist.ProcessGroup, block_size: int) -> None:
         self.group = group
         self.block_size = block_size
+        self._closed: str | None = None
+
+    def close(self, reason: str) -> None:
+        """No more steps: publish raises RuntimeError(reason) from now on."""
+        self._closed = reason
 
     # ---- rank 0 ----
     def publish(self, batch: StepBatch) -> None:
+        if self._closed is not None:
+            raise RuntimeError(f"this engine's tensor-parallel ranks are stopped: {self._closed}")
         nc = np.asarray(batch.num_computed, dtype=np.int64)
         nt = np.asarray(batch.num_tokens, dtype=np.int64)
         needed = (nc + nt + self.block_size - 1) // self.block_size
