@@ -1,4 +1,7 @@
-"""python -m client "prompt" [--max-tokens N --temperature T ...]: streams the text to stdout."""
+"""python -m client "prompt" [--max-tokens N --temperature T ...]: streams the text to stdout.
+
+python -m client --chat "question": asks the model a question through the
+router's OpenAI API, with its chat template, and streams the answer."""
 
 from __future__ import annotations
 
@@ -13,7 +16,10 @@ from client.api import FINISH_NAMES, make_request, metadata, sync_stub
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m client", description="Send a prompt to a Quadriga router")
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="?", help="a raw prompt, sent over gRPC")
+    p.add_argument("--chat", metavar="QUESTION", help="ask through the OpenAI API instead")
+    p.add_argument("--http", default=os.environ.get("QUADRIGA_OPENAI_URL", "http://127.0.0.1:8000/v1"),
+                   help="the router's OpenAI API, for --chat")
     p.add_argument("--router", default=os.environ.get("QUADRIGA_ROUTER_ADDRESS", "127.0.0.1:50051"))
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)
@@ -29,8 +35,35 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def chat(a) -> int:
+    import openai
+
+    client = openai.OpenAI(base_url=a.http, api_key=os.environ.get("QUADRIGA_API_KEY") or "none")
+    try:
+        model = client.models.list().data[0].id
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": a.chat}], stream=True,
+            max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
+            stop=a.stop)
+        for chunk in stream:
+            for choice in chunk.choices:
+                sys.stdout.write(choice.delta.content or "")
+                sys.stdout.flush()
+                if choice.finish_reason:
+                    print(f"\n[{choice.finish_reason}]", file=sys.stderr)
+    except openai.APIError as exc:
+        print(f"\n{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.chat is not None:
+        return chat(a)
+    if a.prompt is None:
+        print("give a prompt, or --chat QUESTION", file=sys.stderr)
+        return 2
     stub = sync_stub(a.router, a.tls_ca_file)
     request = make_request(
         a.prompt, request_id=a.request_id, max_tokens=a.max_tokens, temperature=a.temperature,

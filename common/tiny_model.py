@@ -40,6 +40,13 @@ def _corpus(seed: int, num_words: int = 60_000) -> list[str]:
     return lines
 
 
+# A plain chat template, so the chat API can be tested on tiny models too.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
 def build_tokenizer(out_dir: Path, vocab_size: int = 512, seed: int = 0):
     """Trains a byte-level BPE on a seeded synthetic corpus and saves it to out_dir."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -58,6 +65,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 512, seed: int = 0):
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
     return fast
 
@@ -117,7 +125,7 @@ def build_tiny_model(
 
     out = Path(out_dir)
     stamp = json.dumps(
-        {"arch": arch, "seed": seed, "vocab": vocab_size, **config_overrides},
+        {"arch": arch, "seed": seed, "vocab": vocab_size, "format": 2, **config_overrides},
         sort_keys=True,
     )
     digest = hashlib.sha256(stamp.encode()).hexdigest()

@@ -15,6 +15,13 @@ def load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """A text prompt's token ids, with the special tokens the tokenizer adds (a BOS for
+    Llama-style tokenizers), as vLLM's completions API encodes it. The router and
+    LLM.generate both encode with this, so a prompt gets the same tokens either way."""
+    return list(tokenizer.encode(text, add_special_tokens=True))
+
+
 def read_model_config(model_dir: str | Path) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.exists():

@@ -13,7 +13,7 @@ COPY scripts/pyproject_deps.py scripts/
 # Only the router's runtime dependencies, at the versions pyproject.toml pins.
 RUN python -m venv /opt/venv \
     && python scripts/pyproject_deps.py core \
-       --only grpcio,grpcio-health-checking,grpcio-reflection,protobuf,redis,transformers,tokenizers,prometheus-client,uvloop \
+       --only grpcio,grpcio-health-checking,grpcio-reflection,protobuf,redis,transformers,tokenizers,prometheus-client,uvloop,fastapi,uvicorn \
        > /tmp/requirements-router.txt \
     && /opt/venv/bin/pip install --no-cache-dir -r /tmp/requirements-router.txt
 
@@ -48,7 +48,7 @@ COPY common/ common/
 COPY router/ router/
 COPY docker/grpc_health_probe.py docker/
 USER 10001:10001
-EXPOSE 50051 9400
+EXPOSE 50051 9400 8000
 # Kubernetes uses its own gRPC probe; this serves docker and compose.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python", "docker/grpc_health_probe.py", "--addr", "localhost:50051"]

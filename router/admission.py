@@ -16,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from common.tokenizer import load_tokenizer
+from common.tokenizer import encode_prompt, load_tokenizer
 from router.recovery import state_from_record
 from router.requests.request import RequestState
 from router.requests.spec import RequestSpec
 from router.validation import (ModelLimits, RouterError, check_request, effective_max_tokens,
-                               unavailable)
+                               invalid, unavailable)
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +125,27 @@ class Admission:
         loop = asyncio.get_running_loop()
         try:
             tokenizer = await self.tokenizer()
-            return await loop.run_in_executor(self.executor, tokenizer.encode, prompt)
+            return await loop.run_in_executor(self.executor, encode_prompt, tokenizer, prompt)
         except Exception as exc:  # a tokenizer failure is answered, never swallowed
             raise RouterError(grpc.StatusCode.INTERNAL, f"tokenizing the prompt failed: {exc}",
                               "tokenizer") from exc
+
+    async def render_chat(self, messages: list[dict]) -> tuple[int, ...]:
+        """The model's own chat template with the generation prompt, as token ids.
+        The template writes any special tokens itself, so none are added."""
+        tokenizer = await self.tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise invalid(f"model {self.config.served_model_name} has no chat template; "
+                          "send a prompt to /v1/completions instead")
+
+        def render() -> tuple[int, ...]:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, render)
+        except Exception as exc:  # a template that refuses these messages
+            raise invalid(f"the chat template refused the messages: {exc}") from exc
 
     async def _wait_for_replica(self) -> None:
         if len(self.registry):

@@ -22,6 +22,8 @@ class RouterConfig:
     policy: str = "pull"
     model_name: str = ""
     metrics_port: int = 0              # 0: no metrics HTTP endpoint
+    http_port: int = 0                 # OpenAI-compatible HTTP API; 0: off
+    http_host: str = ""                # empty: the gRPC host
     queue_limit: int = 10_000          # queued (not yet assigned) requests
     no_replica_timeout: float = 30.0   # seconds a request waits for a first replica
     lease_ttl: float = 10.0
@@ -61,8 +63,9 @@ class RouterConfig:
             problems.append(f"model: {self.model} has no config.json")
         if not 0 <= self.port < 65536:
             problems.append(f"port: {self.port} is not a TCP port")
-        if not 0 <= self.metrics_port < 65536:
-            problems.append(f"metrics_port: {self.metrics_port} is not a TCP port")
+        for name in ("metrics_port", "http_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                problems.append(f"{name}: {getattr(self, name)} is not a TCP port")
         if self.policy not in POLICIES:
             problems.append(f"policy: {self.policy!r} is not one of {sorted(POLICIES)}")
         if self.queue_limit < 1:

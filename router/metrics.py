@@ -29,6 +29,10 @@ class Metrics:
         self.requests = Counter("quadriga_requests_total", "Finished requests by finish reason",
                                 ["reason"], registry=r)
         self.accepted = Counter("quadriga_requests_accepted_total", "Accepted requests", registry=r)
+        self.prompt_tokens = Counter("quadriga_prompt_tokens_total",
+                                     "Prompt tokens of accepted requests", registry=r)
+        self.generation_tokens = Counter("quadriga_generation_tokens_total",
+                                         "Output tokens received from replicas", registry=r)
         self.requeues = Counter("quadriga_requeues_total", "Requests moved back to a queue",
                                 ["reason"], registry=r)
         self.cancellations = Counter("quadriga_cancellations_total", "Cancelled requests",

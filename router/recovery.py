@@ -21,7 +21,7 @@ import time
 
 import grpc
 
-from router.persistence.store import unpack_tokens
+from router.persistence.store import unpack_logprobs, unpack_tokens
 from router.requests.request import Phase, RequestState
 from router.requests.spec import RequestSpec, sampling_from_fields
 from router.scheduling.policies import PENDING
@@ -45,6 +45,9 @@ def state_from_record(rec: dict) -> RequestState:
     req.submit_token = rec.get("tok", b"").decode()
     req.queue = rec.get("q", b"").decode()
     req.tokens = list(rec["tokens"])
+    if spec.sampling.logprobs is not None:
+        req.logprobs = unpack_logprobs(rec.get("logprobs"), spec.sampling.logprobs)
+    req.cached_tokens = int(_f(rec, "ct"))
     text = rec["text"].decode(errors="replace") if rec["text"] else ""
     req.parts = [text] if text else []
     req.text_bytes = len(rec["text"])

@@ -84,6 +84,8 @@ class RouterApp:
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.metrics_http = None
+        self.http = None        # the OpenAI HTTP front door, when http_port is set
+        self.http_port = 0
 
     def _cancel_on_replica(self, owner: str, rid: str) -> None:
         session = self.registry.get(owner)
@@ -129,8 +131,16 @@ class RouterApp:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port:
             self.metrics_http = self.metrics.serve(self.config.metrics_port)
+        if self.config.http_port:
+            from router.frontends.openai_http import OpenAIFrontend
+
+            self.http = OpenAIFrontend(self.admission, self.table, self.config, self.metrics,
+                                       self.limits)
+            self.http_port = await self.http.start(self.config.http_host or self.config.host,
+                                                   self.config.http_port)
         self.reaper.start()
-        log.info("router listening on port %d (policy %s, model %s, %s, %s)", self.port,
+        log.info("router listening on port %d%s (policy %s, model %s, %s, %s)", self.port,
+                 f", HTTP on {self.http_port}" if self.http_port else "",
                  self.config.policy, self.config.served_model_name,
                  "TLS" if self.config.tls_cert_file else "plaintext",
                  f"{len(keys)} API keys" if keys else "no API keys")
@@ -161,6 +171,8 @@ class RouterApp:
                         "output", self.writer.pending, self.config.shutdown_timeout)
         self.table.detach_clients(SHUTDOWN_MESSAGE)
         await asyncio.sleep(0)  # let the client streams see it before the server cancels them
+        if self.http is not None:
+            await self.http.stop()
         if self.server is not None:
             await self.server.stop(grace)
         await self.writer.stop()

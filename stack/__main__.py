@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from common.models import ModelSourceMissing, ensure_smollm2
-from stack.demo import grpc_asker, run_demo
+from stack.demo import openai_asker, run_demo
 from stack.processes import Child, wait_for_health
 
 
@@ -33,6 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--redis-url", help="default: start an embedded Redis")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9400)
+    p.add_argument("--http-port", type=int, default=8000, help="the OpenAI API (0: off)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--scheduler", default="sarathi")
     p.add_argument("--replica-gpus", default="",
@@ -97,11 +98,14 @@ def start(a, log_dir: Path, model: str, children: list[Child], servers: list) ->
         print(f"redis      {redis_url} (embedded, {redis.binary})")
     router = Child("router", ["-m", "router", "--port", str(a.port), "--redis-url", redis_url,
                               "--policy", a.policy, "--model", model,
-                              "--metrics-port", str(a.metrics_port), *a.router_arg], log_dir)
+                              "--metrics-port", str(a.metrics_port),
+                              "--http-port", str(a.http_port), *a.router_arg], log_dir)
     children.append(router)
     address = f"127.0.0.1:{a.port}"
     wait_for_health(address, router, timeout=60)
     print(f"router     {address} (policy {a.policy}; metrics http://127.0.0.1:{a.metrics_port}/metrics)")
+    if a.http_port:
+        print(f"OpenAI API http://127.0.0.1:{a.http_port}/v1")
     # CPU replicas share this machine's cores instead of each spinning on all of them.
     threads = ["--threads", str(max(1, (os.cpu_count() or 1) // a.replicas))] if a.device == "cpu" else []
     gpus = [g.strip() for g in a.replica_gpus.split(",") if g.strip()]
@@ -133,9 +137,12 @@ def main(argv=None) -> int:
     try:
         start(a, log_dir, model, children, servers)
         address = f"127.0.0.1:{a.port}"
-        print(f"\nready: python -m client --router {address} \"Hello\"   (Ctrl-C stops everything)")
+        print(f"\nready: python -m client --chat \"What is the capital of France?\"   "
+              "(Ctrl-C stops everything)")
         if a.demo or a.exit_after_demo:
-            ok = run_demo(grpc_asker(address, model))
+            if not a.http_port:
+                sys.exit("--demo asks through the OpenAI API: give --http-port")
+            ok = run_demo(openai_asker(f"http://127.0.0.1:{a.http_port}/v1", Path(model).name))
         if not a.exit_after_demo:
             while all(c.alive() for c in children):
                 time.sleep(0.5)

@@ -1,12 +1,13 @@
 """The local stack's demo: a few questions to the served model, answers printed as they stream.
 
 run_demo holds the questions and the printing; how a question reaches the
-router is the asker's business (today gRPC Generate with the model's chat
-template applied here, since that API takes a raw prompt).
+router is the asker's business: the openai SDK against the router's OpenAI
+API (the main job), or gRPC Generate with the chat template applied here.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -73,5 +74,32 @@ def grpc_asker(address: str, model: str) -> Asker:
                 t = msg.timings
                 yield AnswerEnd(FINISH_NAMES.get(msg.finish_reason, "error"), t.output_tokens,
                                 t.time_to_first_token_s, t.replica_id)
+
+    return ask
+
+
+def openai_asker(base_url: str, model_name: str) -> Asker:
+    """Asks through the router's OpenAI API with the openai SDK, greedy, streaming."""
+    import time
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key=os.environ.get("QUADRIGA_API_KEY") or "none")
+
+    def ask(question: str) -> Iterator[str | AnswerEnd]:
+        start, first, tokens, finish = time.monotonic(), None, 0, "error"
+        stream = client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": question}],
+            max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    first = first or time.monotonic()
+                    yield choice.delta.content
+                finish = choice.finish_reason or finish
+        yield AnswerEnd(finish, tokens, (first or time.monotonic()) - start, "via OpenAI API")
 
     return ask

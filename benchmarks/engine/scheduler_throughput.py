@@ -49,7 +49,7 @@ def run_one(model: str, scheduler: str, prompts, output_len: int, chunk_size: in
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = [r.outputs[0] for r in llm.generate(prompts, params)]
     elapsed = time.perf_counter() - start
     prompt_tokens = sum(len(p) for p in prompts)
     output_tokens = sum(len(o.token_ids) for o in outs)

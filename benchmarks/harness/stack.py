@@ -46,6 +46,7 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.args = ["-m", "stack", "--replicas", str(replicas), "--policy", policy,
                      "--port", str(self.port), "--metrics-port", str(self.metrics_port),
+                     "--http-port", "0",   # load goes over gRPC; stacks side by side need no port
                      "--device", device, "--log-dir", str(self.log_dir),
                      "--replica-metrics-port", str(self.replica_metrics_port)]
         if model:

@@ -85,7 +85,8 @@ def cpu_seconds(pid: int) -> float:
 
 # ---- load generator (runs in its own process: --client) ----
 
-async def _client(address: str, rate: float, duration: float, vocab: int, seed: int) -> dict:
+async def _client(address: str, rate: float, duration: float, vocab: int, seed: int,
+                  output_tokens: int) -> dict:
     import grpc
 
     from common.pb.quadriga.v1 import generation_pb2 as gpb
@@ -99,7 +100,8 @@ async def _client(address: str, rate: float, duration: float, vocab: int, seed: 
             break
         times.append(t)
     reqs = [gpb.GenerateRequest(prompt_token_ids=[rng.randrange(vocab) for _ in range(16)],
-                                sampling=gpb.SamplingParams(max_tokens=1)) for _ in times]
+                                sampling=gpb.SamplingParams(max_tokens=output_tokens))
+            for _ in times]
     lat, e2e, queue, fails = [], [], [], []
     done_at = [0.0]
 
@@ -133,7 +135,7 @@ async def _client(address: str, rate: float, duration: float, vocab: int, seed: 
         await asyncio.gather(*tasks)
     elapsed = (done_at[0] or time.perf_counter()) - start
     ms = 1e3
-    return dict(offered_rps=rate, sent=len(tasks), completed=len(lat), failures=len(fails),
+    return dict(offered_rps=rate, output_tokens=output_tokens, sent=len(tasks), completed=len(lat), failures=len(fails),
                 failure_codes=sorted(set(fails)), achieved_rps=len(lat) / elapsed,
                 send_window_s=sent_for,
                 router_added_p50_ms=pct(e2e, 0.5) * ms, router_added_p90_ms=pct(e2e, 0.9) * ms,
@@ -148,7 +150,8 @@ def client_main(args) -> int:
         run = uvloop.run
     except ImportError:
         run = asyncio.run
-    row = run(_client(args.client, args.rate, args.duration, args.vocab, args.seed))
+    row = run(_client(args.client, args.rate, args.duration, args.vocab, args.seed,
+                      args.output_tokens[0]))
     print(json.dumps(row))
     return 0
 
@@ -160,11 +163,17 @@ def start(cmd, log):
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def main() -> int:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", type=float, nargs="+", default=[100, 250, 500, 750, 1000])
+    p.add_argument("--output-tokens", type=int, nargs="+", default=[1, 64],
+                   help="output lengths to measure (the per-token path is what real load stresses)")
     p.add_argument("--duration", type=float, default=6.0)
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--compare", metavar="TREE",
+                   help="also run the router of another checkout, side by side in this run "
+                        "(ABAB, --repeats times each), e.g. a git worktree of an older commit")
+    p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/router_overhead.json"))
     p.add_argument("--profile", help="py-spy record the router during each rate into this "
                                      "file (collapsed stacks; one file per rate)")
@@ -173,114 +182,173 @@ def main() -> int:
     p.add_argument("--rate", type=float, help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.client:
-        return client_main(args)
+    return p.parse_args(argv)
 
-    import redis
 
+def start_stack(work: Path, model: Path, router_tree: Path, replicas: int):
+    """Redis, the router (from router_tree) and scripted replicas (this tree); returns
+    (procs, router, address, metrics port, Redis server, log)."""
     from common.redis_server import RedisServer
-    from common.tiny_model import build_tiny_model
 
-    work = Path(tempfile.mkdtemp(prefix="router-bench-"))
-    model = build_tiny_model(work / "model")
-    redis_srv = RedisServer(work / "redis")
+    redis_srv = RedisServer(work / f"redis-{time.monotonic_ns()}")
     redis_srv.start()
     port, mport = free_port(), free_port()
-    log = open(work / "procs.log", "w")
+    log = open(work / "procs.log", "a")
     py = sys.executable
-    router = start([py, "-m", "router", "--port", str(port), "--host", "127.0.0.1",
-                    "--redis-url", redis_srv.url, "--model", str(model), "--metrics-port", str(mport),
-                    "--heartbeat-interval", "0.5", "--queue-limit", "100000",
-                    "--log-level", "WARNING"], log)
+    router = subprocess.Popen(
+        [py, "-m", "router", "--port", str(port), "--host", "127.0.0.1", "--redis-url", redis_srv.url,
+         "--model", str(model), "--metrics-port", str(mport), "--heartbeat-interval", "0.5",
+         "--queue-limit", "100000", "--log-level", "WARNING"],
+        cwd=router_tree, stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(router_tree)})
     procs = [router]
     address = f"127.0.0.1:{port}"
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    time.sleep(0.5)
+    for i in range(replicas):
+        procs.append(start([py, "-m", "tests.support.scripted_replica", "--router", address,
+                            "--id", f"bench{i}", "--vocab", str(vocab), "--capacity", "256",
+                            "--reconnect"], log))
+    deadline = time.time() + 60
+    while True:
+        try:
+            if scrape(mport).get("quadriga_replicas_connected", 0) >= replicas:
+                break
+        except OSError:
+            pass
+        if any(proc.poll() is not None for proc in procs):
+            raise SystemExit(f"a process exited early ({[q.poll() for q in procs]}); see {work}/procs.log")
+        if time.time() > deadline:
+            raise SystemExit(f"router/replicas did not come up; see {work}/procs.log")
+        time.sleep(0.2)
+    warm_up(address)
+    return procs, router, address, mport, redis_srv, log, vocab
+
+
+def warm_up(address: str) -> None:
+    """One text prompt, so whatever the router loads lazily (its tokenizer) is loaded
+    before anything is measured."""
+    import grpc
+
+    from common.pb.quadriga.v1 import generation_pb2 as gpb
+    from common.pb.quadriga.v1 import generation_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        req = gpb.GenerateRequest(prompt="warm up", sampling=gpb.SamplingParams(max_tokens=1))
+        for _ in stub.Generate(req, timeout=120):
+            pass
+
+
+def measure(args, router, address: str, mport: int, r, vocab: int, rate: float,
+            output_tokens: int, profile: str | None) -> dict:
+    py = sys.executable
+    time.sleep(1.1)  # the router publishes its round-trip counter each heartbeat
+    before, calls_before, cpu_before = scrape(mport), redis_calls(r), cpu_seconds(router.pid)
+    spy = None
+    if profile:
+        spy = subprocess.Popen([str(Path(py).parent / "py-spy"), "record", "-p", str(router.pid),
+                                "-r", "200", "-f", "raw", "-o", profile, "-d",
+                                str(int(args.duration + 2)), *(["--native"] if args.native else [])],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.perf_counter()
+    out = subprocess.run([py, "-m", "benchmarks.router.overhead", "--client", address,
+                          "--rate", str(rate), "--duration", str(args.duration),
+                          "--vocab", str(vocab), "--output-tokens", str(output_tokens)],
+                         cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise SystemExit(f"load generator failed:\n{out.stderr}")
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    cpu = cpu_seconds(router.pid) - cpu_before
+    time.sleep(1.1)
+    after, calls_after = scrape(mport), redis_calls(r)
+    if spy is not None:
+        spy.wait()
+    n = max(1, row["completed"] + 1)
+
+    def delta(*names):
+        return sum(after.get(k, 0) - before.get(k, 0) for k in names)
+
+    # +1 request: the load generator's warm-up call
+    msgs_in = delta("quadriga_messages_in_total") + n
+    msgs_out = delta("quadriga_messages_out_total", "quadriga_client_messages_total")
+    row.update(router_cpu_ms_per_request=cpu / n * 1e3, router_cpu_util=cpu / wall,
+               messages_in_per_s=msgs_in / wall, messages_out_per_s=msgs_out / wall,
+               messages_per_s=(msgs_in + msgs_out) / wall,
+               redis_commands_per_request=(calls_after - calls_before) / n,
+               redis_round_trips_per_request=delta("quadriga_redis_round_trips_total") / n)
+    return row
+
+
+def run_side(args, work: Path, model: Path, name: str, tree: Path) -> list[dict]:
+    import redis
+
+    procs, router, address, mport, redis_srv, log, vocab = start_stack(work, model, tree, args.replicas)
+    rows = []
     try:
-        time.sleep(0.5)
-        for i in range(args.replicas):
-            procs.append(start([py, "-m", "tests.support.scripted_replica", "--router", address,
-                                "--id", f"bench{i}", "--vocab", str(vocab), "--capacity", "256",
-                                "--reconnect"], log))
-        deadline = time.time() + 60
-        while True:
-            try:
-                if scrape(mport).get("quadriga_replicas_connected", 0) >= args.replicas:
-                    break
-            except OSError:
-                pass
-            if any(proc.poll() is not None for proc in procs):
-                raise SystemExit(f"a process exited early ({[q.poll() for q in procs]}); see {work}/procs.log")
-            if time.time() > deadline:
-                raise SystemExit(f"router/replicas did not come up; see {work}/procs.log")
-            time.sleep(0.2)
         r = redis.Redis.from_url(redis_srv.url)
-        rows = []
-        for rate in args.rates:
-            time.sleep(1.1)  # the router publishes its round-trip counter each heartbeat
-            before, calls_before, cpu_before = scrape(mport), redis_calls(r), cpu_seconds(router.pid)
-            spy = None
-            if args.profile:
-                prof = f"{args.profile}.{int(rate)}" if len(args.rates) > 1 else args.profile
-                spy = subprocess.Popen([str(Path(py).parent / "py-spy"), "record", "-p", str(router.pid),
-                                        "-r", "200", "-f", "raw", "-o", prof, "-d",
-                                        str(int(args.duration + 2)), *(["--native"] if args.native else [])],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            t0 = time.perf_counter()
-            out = subprocess.run([py, "-m", "benchmarks.router.overhead", "--client", address,
-                                  "--rate", str(rate), "--duration", str(args.duration),
-                                  "--vocab", str(vocab)], cwd=ROOT, capture_output=True, text=True,
-                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
-            wall = time.perf_counter() - t0
-            if out.returncode != 0:
-                raise SystemExit(f"load generator failed:\n{out.stderr}")
-            row = json.loads(out.stdout.strip().splitlines()[-1])
-            cpu = cpu_seconds(router.pid) - cpu_before
-            time.sleep(1.1)
-            after, calls_after = scrape(mport), redis_calls(r)
-            if spy is not None:
-                spy.wait()
-            n = max(1, row["completed"] + 1)
-
-            def delta(*names):
-                return sum(after.get(k, 0) - before.get(k, 0) for k in names)
-
-            # +1 request: the load generator's warm-up call
-            msgs_in = delta("quadriga_messages_in_total") + n
-            msgs_out = delta("quadriga_messages_out_total", "quadriga_client_messages_total")
-            row.update(router_cpu_ms_per_request=cpu / n * 1e3, router_cpu_util=cpu / wall,
-                       messages_in_per_s=msgs_in / wall, messages_out_per_s=msgs_out / wall,
-                       messages_per_s=(msgs_in + msgs_out) / wall,
-                       redis_commands_per_request=(calls_after - calls_before) / n,
-                       redis_round_trips_per_request=delta("quadriga_redis_round_trips_total") / n)
-            rows.append(row)
-            print(f"offered {rate:5.0f}/s achieved {row['achieved_rps']:6.1f}/s  "
-                  f"router added p50 {row['router_added_p50_ms']:6.2f} p99 {row['router_added_p99_ms']:7.2f} ms  "
-                  f"client p50 {row['client_e2e_p50_ms']:7.2f} p99 {row['client_e2e_p99_ms']:7.2f} ms  "
-                  f"cpu/req {row['router_cpu_ms_per_request']:.2f} ms ({row['router_cpu_util']:.0%})  "
-                  f"msgs/s {row['messages_per_s']:5.0f}  rt/req {row['redis_round_trips_per_request']:.2f}  "
-                  f"cmds/req {row['redis_commands_per_request']:.1f}  fail {row['failures']}", flush=True)
-        result = {
-            "command": " ".join(shlex.quote(a) for a in [
-                "flock", "/tmp/quadriga-bench.lock", ".venv/bin/python", "-m",
-                "benchmarks.router.overhead", *sys.argv[1:]]),
-            "machine": f"{os.cpu_count()} cores shared with other users; router, {args.replicas} scripted "
-                       "replicas, Redis and the load generator (one process, one channel) share them",
-            "workload": "16-token prompts, 1 output token, replicas answer at once; Poisson arrivals",
-            "definitions": DEFINITIONS,
-            "duration_s": args.duration,
-            "rows": rows,
-        }
-        if not args.profile:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-            print("wrote", args.out)
+        for output_tokens in args.output_tokens:
+            for rate in args.rates:
+                profile = f"{args.profile}.{name}.{output_tokens}.{int(rate)}" if args.profile else None
+                row = measure(args, router, address, mport, r, vocab, rate, output_tokens, profile)
+                row["router"] = name
+                rows.append(row)
+                print(f"{name:9s} out {output_tokens:3d}  offered {rate:5.0f}/s achieved "
+                      f"{row['achieved_rps']:6.1f}/s  added p50 {row['router_added_p50_ms']:6.2f} "
+                      f"p99 {row['router_added_p99_ms']:7.2f} ms  client p50 {row['client_e2e_p50_ms']:7.2f} "
+                      f"ms  cpu/req {row['router_cpu_ms_per_request']:.2f} ms "
+                      f"({row['router_cpu_util']:.0%})  msgs/s {row['messages_per_s']:5.0f}  "
+                      f"rt/req {row['redis_round_trips_per_request']:.2f}  "
+                      f"cmds/req {row['redis_commands_per_request']:.1f}  fail {row['failures']}", flush=True)
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
         redis_srv.stop()
         log.close()
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.client:
+        return client_main(args)
+    from common.tiny_model import build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="router-bench-"))
+    model = build_tiny_model(work / "model")
+    sides = [("current", ROOT)]
+    if args.compare:
+        sides.append(("baseline", Path(args.compare).resolve()))
+    rows = []
+    for _ in range(args.repeats):
+        for name, tree in sides:
+            rows += run_side(args, work, model, name, tree)
+    result = {
+        "command": " ".join(shlex.quote(a) for a in [
+            "flock", "/tmp/quadriga-bench.lock", ".venv/bin/python", "-m",
+            "benchmarks.router.overhead", *sys.argv[1:]]),
+        "machine": f"{os.cpu_count()} cores; router, {args.replicas} scripted replicas, Redis and "
+                   "the load generator (one process, one channel) share them",
+        "workload": "16-token prompts, output_tokens greedy tokens each, replicas answer at once "
+                    "(one StepOutputs per step for all their requests); Poisson arrivals",
+        "sides": {name: str(tree) for name, tree in sides},
+        "definitions": DEFINITIONS,
+        "duration_s": args.duration,
+        "rows": rows,
+    }
+    if args.compare:
+        result["baseline_commit"] = subprocess.run(
+            ["git", "-C", str(sides[1][1]), "rev-parse", "HEAD"], capture_output=True,
+            text=True).stdout.strip()
+    result["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+                                      capture_output=True, text=True).stdout.strip()
+    if not args.profile:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print("wrote", args.out)
     return 0
 
 

@@ -17,7 +17,8 @@ from replica_worker.engine.detokenizer import IncrementalDetokenizer
 from replica_worker.engine.errors import InvalidRequestError
 from replica_worker.engine.kv_events import KVCacheEvents, PrefixCacheStats
 from replica_worker.engine.model_runner import ModelRunner
-from replica_worker.engine.outputs import EngineLoad, RequestDelta, StepResult
+from replica_worker.engine.outputs import EngineLoad, RequestDelta, StepResult, TokenLogprobs
+from replica_worker.engine.sampler import SamplerOutput
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.schedulers import make_scheduler
 from replica_worker.engine.schedulers.base import AdmissionCapacity, ScheduledChunk
@@ -35,9 +36,23 @@ def _eos_ids(*sources) -> frozenset[int]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, tokenizer=None):
+    def __init__(self, config: EngineConfig, tokenizer=None, runner=None):
+        """runner: what runs the batches (ModelRunner(config) when not given; a
+        simulated replica gives one that waits instead of computing)."""
         self.config = config
-        self.runner = ModelRunner(config)
+        self._tensor_parallel = None
+        if runner is not None:
+            self.runner = runner
+        else:
+            if config.parallel.tensor_parallel_size > 1:
+                from replica_worker.engine.distributed.leader import TensorParallelLeader
+
+                self._tensor_parallel = TensorParallelLeader(config)  # this process is rank 0
+            try:
+                self.runner = ModelRunner(config, self._tensor_parallel and self._tensor_parallel.ranks)
+            except BaseException:
+                self._abort_ranks("rank 0 failed to start its runner")
+                raise
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.scheduler = make_scheduler(
@@ -49,6 +64,16 @@ class EngineCore:
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._step_id = 0
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        # The sampler needs them too: min_tokens keeps EOS from being sampled.
+        self._eos_token_ids = frozenset(ids)
+        self.runner.set_eos_token_ids(self._eos_token_ids)
 
     # ---- requests in ----
     def add_request(
@@ -80,6 +105,13 @@ class EngineCore:
             raise InvalidRequestError(f"request_id {request_id!r} is already running on this engine")
         if not prompt:
             raise InvalidRequestError("prompt is empty: give at least one token")
+        if params.n != 1:
+            raise InvalidRequestError(
+                f"n is {params.n}: the engine runs one sequence per request id; give each "
+                "completion its own request (LLM.generate expands n)")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise InvalidRequestError(
+                f"logprobs {params.logprobs} exceeds the vocabulary size {self.vocab_size}")
         context = len(prompt) + len(resume)
         if context >= self.max_model_len:
             raise InvalidRequestError(
@@ -102,6 +134,8 @@ class EngineCore:
     def abort_request(self, request_id: str) -> bool:
         seq = self.scheduler.abort_seq(request_id)
         self._detokenizers.pop(request_id, None)
+        if seq is not None:
+            self.runner.release(seq)
         return seq is not None
 
     # ---- the step ----
@@ -111,7 +145,12 @@ class EngineCore:
         out = self.scheduler.schedule()
         deltas = [self._ignored_delta(seq) for seq in out.ignored]
         if out.chunks:
-            sampled = self.runner.execute(out.chunks)
+            try:
+                sampled = self.runner.execute(out.chunks)
+            except BaseException:
+                # The other ranks may be inside this step's collectives: no later step could pair with them.
+                self._abort_ranks("a step failed on rank 0")
+                raise
             deltas.extend(self._apply(out.chunks, sampled))
         return StepResult(
             deltas=deltas,
@@ -121,10 +160,10 @@ class EngineCore:
             step_time=time.perf_counter() - start,
         )
 
-    def _apply(self, chunks: list[ScheduledChunk], sampled: list[int]) -> list[RequestDelta]:
+    def _apply(self, chunks: list[ScheduledChunk], sampled: SamplerOutput) -> list[RequestDelta]:
         now = time.time()
         deltas = []
-        tokens = iter(sampled)
+        row = 0
         for chunk in chunks:
             seq = chunk.seq
             samples = chunk.samples  # read before advancing num_computed_tokens
@@ -132,21 +171,27 @@ class EngineCore:
             self.scheduler.cache_computed(seq)
             if not samples:
                 continue
-            token = next(tokens)
+            token = sampled.token_ids[row]
+            logprobs = sampled.logprobs[row] if sampled.logprobs is not None else None
+            row += 1
             offset = seq.num_output_tokens
             seq.append_token(token, now)
-            deltas.append(self._delta_after_token(seq, token, offset, now))
+            deltas.append(self._delta_after_token(seq, token, logprobs, offset, now))
         return deltas
 
-    def _delta_after_token(self, seq: Sequence, token: int, offset: int, now: float) -> RequestDelta:
+    def _delta_after_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None,
+                           offset: int, now: float) -> RequestDelta:
         status = self._stop_status(seq, token)
         detok = self._detokenizers.get(seq.seq_id)
         text = ""
         if detok is not None:
-            text, stop_string_hit = detok.step(final=status is not None)
+            # Stop strings, like EOS, cannot end a request before min_tokens.
+            may_stop = seq.num_output_tokens > seq.sampling_params.min_tokens
+            text, stop_string_hit = detok.step(final=status is not None, check_stop=may_stop)
             if stop_string_hit:
                 status = SequenceStatus.FINISHED_STOPPED
-        delta = RequestDelta(seq.seq_id, [token], text, offset, seq=seq)
+        delta = RequestDelta(seq.seq_id, [token], text, offset, seq=seq,
+                             logprobs=None if logprobs is None else [logprobs])
         if status is not None:
             self._finish(seq, status, now)
             delta.finish_reason = status.value
@@ -154,10 +199,12 @@ class EngineCore:
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         params = seq.sampling_params
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return SequenceStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            return SequenceStatus.FINISHED_STOPPED
+        # Before min_tokens the sampler masks EOS and stop ids; this keeps the rule if one slipped through.
+        if seq.num_output_tokens > params.min_tokens:
+            if not params.ignore_eos and token in self._eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return SequenceStatus.FINISHED_LENGTH
         if seq.num_tokens >= self.max_model_len:
@@ -167,6 +214,7 @@ class EngineCore:
     def _finish(self, seq: Sequence, status: SequenceStatus, now: float) -> None:
         seq.finish(status, now)
         self.scheduler.free_finished(seq)
+        self.runner.release(seq)
         self._detokenizers.pop(seq.seq_id, None)
 
     def _ignored_delta(self, seq: Sequence) -> RequestDelta:
@@ -176,6 +224,26 @@ class EngineCore:
             error="request can never be scheduled on this replica (too long for its KV cache)",
             seq=seq,
         )
+
+    @property
+    def tensor_parallel(self):
+        """The TensorParallelLeader when this engine spans several ranks, else None."""
+        return self._tensor_parallel
+
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks, if any (also done at interpreter exit)."""
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.shutdown()
+
+    def _abort_ranks(self, reason: str) -> None:
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.abort(reason)
+
+    @property
+    def step_errors_recoverable(self) -> bool:
+        """False under tensor parallelism: a step that failed on rank 0 may have left the
+        other ranks inside a collective, so no later step can be trusted."""
+        return self._tensor_parallel is None
 
     # ---- what the worker asks ----
     def has_unfinished(self) -> bool:

@@ -69,12 +69,14 @@ class IncrementalDetokenizer:
         self._read = len(self._tokens)
         return new_text
 
-    def step(self, final: bool = False) -> tuple[str, bool]:
+    def step(self, final: bool = False, check_stop: bool = True) -> tuple[str, bool]:
         """Call after tokens were appended. Returns (text delta, stop string matched).
 
         With final=True everything decodable is released (the request ends).
         After a stop-string match the delta ends just before the stop string
-        and the caller must finish the request.
+        and the caller must finish the request. With check_stop=False (before
+        min_tokens) stop strings neither match nor hold text back; a later
+        step matches only a stop string that ends in its new text.
         """
         pending = self._held + self._advance(final)
         self._held = ""
@@ -82,10 +84,10 @@ class IncrementalDetokenizer:
             return "", False
         if self._stop:
             window = self._recent + pending
-            cut = self._find_stop(window)
+            cut = self._find_stop(window, len(self._recent)) if check_stop else None
             if cut is not None:
                 return window[len(self._recent):cut] if cut > len(self._recent) else "", True
-            if not final:
+            if not final and check_stop:
                 keep = self._stop_prefix_len(window)
                 keep = min(keep, len(pending))
                 if keep:
@@ -93,8 +95,9 @@ class IncrementalDetokenizer:
             self._recent = (self._recent + pending)[-self._max_stop_len:]
         return pending, False
 
-    def _find_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
+    def _find_stop(self, text: str, new_from: int) -> int | None:
+        """Start of the first stop string that ends past text[:new_from] (the text sent before)."""
+        hits = [i for i in (text.find(s, max(0, new_from - len(s) + 1)) for s in self._stop) if i >= 0]
         return min(hits) if hits else None
 
     def _stop_prefix_len(self, text: str) -> int:

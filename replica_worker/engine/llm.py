@@ -1,8 +1,10 @@
-"""Offline batch generation in the ecosystem's convention:
+"""Offline batch generation in vLLM's shape:
 
     from replica_worker import LLM, SamplingParams
     llm = LLM(model="/path/to/hf-folder", scheduler="sarathi", chunk_size=256)
     outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(outputs[0].outputs[0].text)
+    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
 """
 
 from __future__ import annotations
@@ -10,15 +12,17 @@ from __future__ import annotations
 import itertools
 from typing import Sequence as Seq
 
-from common.tokenizer import load_tokenizer
-from replica_worker.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from common.tokenizer import encode_prompt, load_tokenizer
+from replica_worker.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from replica_worker.engine.core import EngineCore
-from replica_worker.engine.outputs import CompletionOutput, RequestMetrics
+from replica_worker.engine.outputs import CompletionOutput, RequestDelta, RequestMetrics, RequestOutput
 from replica_worker.engine.sampling_params import SamplingParams
+from replica_worker.engine.sequence import Sequence
 
 _MODEL_KEYS = {"dtype", "load_format", "max_model_len", "seed"}
 _CACHE_KEYS = {"block_size", "num_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "watermark",
                "enable_prefix_caching"}
+_PARALLEL_KEYS = {"tensor_parallel_size"}
 _SCHEDULER_KEYS = {
     "max_num_seqs", "chunk_size", "max_num_batched_tokens", "enable_dynamic_chunking_schedule",
     "low_chunk_size", "high_chunk_size", "chunk_schedule_max_tokens", "chunk_schedule_stages",
@@ -28,7 +32,7 @@ _SCHEDULER_KEYS = {
 def engine_config(model: str, scheduler: str = "sarathi", device: str = "cpu",
                   enable_cuda_graphs: bool = True, **kwargs) -> EngineConfig:
     """Builds an EngineConfig from flat keyword arguments (as LLM takes them)."""
-    unknown = set(kwargs) - _MODEL_KEYS - _CACHE_KEYS - _SCHEDULER_KEYS
+    unknown = set(kwargs) - _MODEL_KEYS - _CACHE_KEYS - _SCHEDULER_KEYS - _PARALLEL_KEYS
     if unknown:
         raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
     pick = lambda keys: {k: v for k, v in kwargs.items() if k in keys}  # noqa: E731
@@ -38,7 +42,39 @@ def engine_config(model: str, scheduler: str = "sarathi", device: str = "cpu",
         scheduler=SchedulerConfig(name=scheduler, **pick(_SCHEDULER_KEYS)),
         device=device,
         enable_cuda_graphs=enable_cuda_graphs,
+        parallel=ParallelConfig(**pick(_PARALLEL_KEYS)),
     )
+
+
+class _Completion:
+    """What the deltas of one completion add up to."""
+
+    def __init__(self, index: int, seq: Sequence, with_logprobs: bool) -> None:
+        self.index, self.seq = index, seq
+        self.texts: list[str] = []
+        self.logprobs: list[dict[int, float]] | None = [] if with_logprobs else None
+        self.cumulative = 0.0
+        self.finish_reason: str | None = None
+
+    def add(self, delta: RequestDelta) -> None:
+        self.texts.append(delta.text)
+        if self.logprobs is not None and delta.logprobs:
+            for token, lp in zip(delta.new_token_ids, delta.logprobs):
+                self.logprobs.append({token: lp.logprob, **dict(lp.top)})
+                self.cumulative += lp.logprob
+        if delta.finish_reason:
+            self.finish_reason = delta.finish_reason
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text="".join(self.texts),
+            token_ids=list(self.seq.output_token_ids),
+            cumulative_logprob=None if self.logprobs is None else self.cumulative,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            metrics=RequestMetrics.of(self.seq),
+        )
 
 
 class LLM:
@@ -53,51 +89,83 @@ class LLM:
         self.engine = EngineCore(self.config, self.tokenizer)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stops the engine's other tensor-parallel ranks (a no-op with one rank)."""
+        self.engine.shutdown()
+
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model folder has no tokenizer: pass token id lists")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return encode_prompt(self._need_tokenizer(), prompt)
         return [int(t) for t in prompt]
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer: pass token id lists")
+        return self.tokenizer
 
     def generate(
         self,
-        prompts: Seq[str | list[int]],
+        prompts: str | list[int] | Seq[str | list[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-    ) -> list[CompletionOutput]:
-        """One output per prompt, in order. Prompts are strings or token-id lists."""
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Prompts are strings or token-id lists.
+
+        Text is encoded as the router encodes it (common.tokenizer.encode_prompt).
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
-        params = sampling_params or SamplingParams()
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError("give one SamplingParams, or one per prompt")
-        order, seqs = [], {}
-        for prompt, p in zip(prompts, params_list):
-            rid = f"offline-{next(self._ids)}"
-            seqs[rid] = self.engine.add_request(rid, self._encode(prompt), p)
-            order.append(rid)
-        texts = {rid: [] for rid in order}
-        reasons: dict[str, str] = {}
+        items = [(p if isinstance(p, str) else None, self._encode(p)) for p in prompts]
+        return self._run(items, _params_per_prompt(sampling_params, len(items)))
+
+    def chat(
+        self,
+        messages: Seq[dict] | Seq[Seq[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates after each conversation ({"role", "content"} dicts; one or a list of them).
+
+        A conversation is rendered by the tokenizer's chat template with the
+        generation prompt added; the rendered text, which holds whatever
+        special tokens the template wants, is encoded without adding more.
+        """
+        tokenizer = self._need_tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        items = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(list(conversation), tokenize=False, add_generation_prompt=True)
+            items.append((text, tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(items, _params_per_prompt(sampling_params, len(items)))
+
+    def _run(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams]) -> list[RequestOutput]:
+        requests, completions = [], {}
         try:
+            for (text, ids), p in zip(items, params):
+                rid = f"offline-{next(self._ids)}"
+                seq_ids = [rid] if p.n == 1 else [f"{rid}-{i}" for i in range(p.n)]
+                for i, sid in enumerate(seq_ids):
+                    seq = self.engine.add_request(sid, ids, p.for_completion(i))
+                    completions[sid] = _Completion(i, seq, p.logprobs is not None)
+                requests.append((rid, text, ids, seq_ids))
             while self.engine.has_unfinished():
                 for delta in self.engine.step().deltas:
-                    texts[delta.request_id].append(delta.text)
-                    if delta.finish_reason:
-                        reasons[delta.request_id] = delta.finish_reason
+                    completions[delta.request_id].add(delta)
         finally:
-            for rid in order:
-                if rid not in reasons:
-                    self.engine.abort_request(rid)
-        return [
-            CompletionOutput(
-                request_id=rid,
-                prompt_token_ids=seqs[rid].prompt_token_ids,
-                token_ids=list(seqs[rid].output_token_ids),
-                text="".join(texts[rid]),
-                finish_reason=reasons[rid],
-                metrics=RequestMetrics.of(seqs[rid]),
-                num_cached_tokens=seqs[rid].num_cached_tokens,
-            )
-            for rid in order
-        ]
+            for sid, c in completions.items():
+                if c.finish_reason is None:
+                    self.engine.abort_request(sid)
+        results = []
+        for rid, text, ids, seq_ids in requests:
+            outs = [completions[sid].output() for sid in seq_ids]
+            results.append(RequestOutput(rid, text, list(ids), outs, finished=True, metrics=outs[0].metrics,
+                                         num_cached_tokens=completions[seq_ids[0]].seq.num_cached_tokens))
+        return results
+
+
+def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+    params = sampling_params or SamplingParams()
+    params_list = list(params) if isinstance(params, (list, tuple)) else [params] * count
+    if len(params_list) != count:
+        raise ValueError("give one SamplingParams, or one per prompt")
+    return params_list

@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from replica_worker.engine.sequence import Sequence
+
+
+class TokenLogprobs(NamedTuple):
+    """One output token's logprob and the k most likely tokens' (token id, logprob), best first.
+
+    From the model's raw distribution: log_softmax of the logits before
+    penalties, temperature or any cut-off.
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,8 @@ class RequestDelta:
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     error: str = ""
     seq: Sequence | None = field(default=None, repr=False)
+    # One per new token when the request asked for logprobs, else None.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -69,12 +83,38 @@ class EngineLoad:
 
 @dataclass
 class CompletionOutput:
-    """One finished request of LLM.generate."""
+    """One of a request's n completions, as LLM.generate returns it (vLLM's shape).
+
+    logprobs: None unless the request asked for them; else one dict per
+    output token, {token id: logprob}, holding the sampled token and the k
+    most likely (k or k + 1 entries). cumulative_logprob: the sum of the
+    sampled tokens' logprobs, None without logprobs. metrics: this
+    completion's own timings.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result from LLM.generate or LLM.chat (vLLM's shape).
+
+    prompt is the text when a text prompt was given (for chat, the rendered
+    conversation), else None. metrics are completion 0's; each completion
+    carries its own. num_cached_tokens: prompt tokens served from the prefix
+    cache (0 without one).
+    """
 
     request_id: str
+    prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    metrics: RequestMetrics
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0

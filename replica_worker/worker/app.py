@@ -23,15 +23,23 @@ def build_worker(config: WorkerConfig) -> ReplicaWorker:
         config.model, scheduler=config.scheduler, device=config.device, **dict(config.engine_args)
     )
     engine = EngineCore(engine_cfg, load_tokenizer(config.model))
-    sched = engine_cfg.scheduler
+    # Under tensor parallelism this process is rank 0 (EngineCore started the other
+    # ranks): it alone talks to the router, as one replica with the ranks' KV blocks.
+    log.info("engine ready: %s on %s, %d KV blocks, scheduler %s, tensor parallel %d",
+             config.model_name, config.device, engine.runner.num_blocks, engine_cfg.scheduler.name,
+             engine_cfg.parallel.tensor_parallel_size)
+    return worker_for(config, engine)
+
+
+def worker_for(config: WorkerConfig, engine: EngineCore) -> ReplicaWorker:
+    """A worker around a ready engine (a real one, or replica_worker/sim's), advertising its capacity."""
+    sched = engine.config.scheduler
     capacity = pb.ReplicaCapacity(
         max_num_seqs=sched.max_num_seqs,
         num_kv_blocks=engine.runner.num_blocks,
-        block_size=engine_cfg.cache.block_size,
+        block_size=engine.config.cache.block_size,
         max_batch_tokens=sched.chunk_size,
         max_model_len=engine.max_model_len,
         prefetch=config.prefetch,
     )
-    log.info("engine ready: %s on %s, %d KV blocks, scheduler %s",
-             config.model_name, config.device, engine.runner.num_blocks, sched.name)
     return ReplicaWorker(config, engine, capacity)

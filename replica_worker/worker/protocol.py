@@ -17,18 +17,16 @@ FINISH_REASONS = {
 }
 
 
-# Fields of the wire contract this engine does not implement yet: a request
-# that sets one is refused with a clear error rather than run without it.
-_UNSUPPORTED = ("min_p", "min_tokens", "presence_penalty", "frequency_penalty",
-                "repetition_penalty", "logprobs")
+# Optional wire fields the engine takes under the same name, when set.
+_OPTIONAL = ("min_p", "min_tokens", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "logprobs")
 
 
 def sampling_from_pb(msg: gen_pb.SamplingParams) -> SamplingParams:
     """Unset fields take the API's defaults; invalid values raise InvalidRequestError."""
-    unsupported = [name for name in _UNSUPPORTED if msg.HasField(name)]
-    if unsupported:
-        raise InvalidRequestError(f"this replica does not support sampling.{unsupported[0]}")
+    optional = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
     return SamplingParams(
+        **optional,
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
@@ -63,9 +61,14 @@ def delta_to_pb(delta: RequestDelta, first_scheduled_reported: bool) -> pb.Reque
     )
     if delta.finish_reason:
         msg.finish_reason = FINISH_REASONS[delta.finish_reason]
+    if delta.logprobs:
+        msg.logprobs.extend(gen_pb.TokenLogprobs(
+            logprob=e.logprob, top_token_ids=[t for t, _ in e.top],
+            top_logprobs=[v for _, v in e.top]) for e in delta.logprobs)
     seq = delta.seq
     if seq is not None:
         msg.preemptions = seq.num_preemptions
         if not first_scheduled_reported and seq.times.first_scheduled is not None:
             msg.first_scheduled_at = seq.times.first_scheduled
+            msg.cached_tokens = seq.num_cached_tokens
     return msg

@@ -30,6 +30,11 @@ def spec_from_pb(msg: gpb.GenerateRequest) -> RequestSpec:
                        priority=msg.priority, stream_interval=msg.stream_interval)
 
 
+def _logprobs(entries) -> list[gpb.TokenLogprobs]:
+    return [gpb.TokenLogprobs(logprob=lp, top_token_ids=[t for t, _ in top],
+                              top_logprobs=[v for _, v in top]) for lp, top in entries]
+
+
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, admission, table, config, metrics):
         self.admission = admission
@@ -57,6 +62,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     tokens, text, offset, last = out
                     msg = gpb.GenerateResponse(request_id=req.id, output_offset=offset,
                                                token_ids=tokens, text=text)
+                    if req.logprobs_k is not None:
+                        msg.logprobs.extend(_logprobs(req.logprobs[offset:offset + len(tokens)]))
                     if last:
                         msg.finish_reason = req.finish_reason
                         msg.error = req.error

@@ -161,45 +161,44 @@ return 1
 MOVE_ITEM_ARGS = 3
 
 # Everything one flush of StepOutputs (from any replicas) records.
-# ARGV: prefix, ttl seconds, then 13 per delta:
+# ARGV: prefix, ttl seconds, then 16 per delta:
 #   id, token byte offset, packed tokens, text byte offset, text, ft, fs,
-#   finished (1/0), fr, err, rep, fin, pre
+#   finished (1/0), fr, err, rep, fin, pre, logprob byte offset, packed logprobs,
+#   cached tokens
 # ('' = nothing to write for that field). A finish also stamps ft/fs, leaves
-# the inflight and live sets and starts the result TTL on req/out/txt. Output
-# of a request finished meanwhile (a cancel) gets the TTL too; a request whose
+# the inflight and live sets and starts the result TTL on its keys. Output of
+# a request finished meanwhile (a cancel) gets the TTL too; a request whose
 # record is gone (expired) is skipped, so no key without a TTL is made.
 STEP = """
 local prefix, ttl = ARGV[1], tonumber(ARGV[2])
-for i = 3, #ARGV, 13 do
+for i = 3, #ARGV, 16 do
   local id = ARGV[i]
   local h = prefix .. 'req:' .. id
   if redis.call('EXISTS', h) == 1 then
-    local o, t = prefix .. 'out:' .. id, prefix .. 'txt:' .. id
+    local o, t, l = prefix .. 'out:' .. id, prefix .. 'txt:' .. id, prefix .. 'lp:' .. id
     if ARGV[i + 2] ~= '' then redis.call('SETRANGE', o, tonumber(ARGV[i + 1]), ARGV[i + 2]) end
     if ARGV[i + 4] ~= '' then redis.call('SETRANGE', t, tonumber(ARGV[i + 3]), ARGV[i + 4]) end
+    if ARGV[i + 14] ~= '' then redis.call('SETRANGE', l, tonumber(ARGV[i + 13]), ARGV[i + 14]) end
+    if ARGV[i + 5] ~= '' then redis.call('HSET', h, 'ft', ARGV[i + 5]) end
+    if ARGV[i + 6] ~= '' then redis.call('HSET', h, 'fs', ARGV[i + 6]) end
+    if ARGV[i + 15] ~= '' then redis.call('HSET', h, 'ct', ARGV[i + 15]) end
     if ARGV[i + 7] == '1' then
       redis.call('HSET', h, 'fr', ARGV[i + 8], 'err', ARGV[i + 9], 'rep', ARGV[i + 10],
         'fin', ARGV[i + 11], 'pre', ARGV[i + 12], 'st', 'f', 'q', '', 'o', '')
-      if ARGV[i + 5] ~= '' then redis.call('HSET', h, 'ft', ARGV[i + 5]) end
-      if ARGV[i + 6] ~= '' then redis.call('HSET', h, 'fs', ARGV[i + 6]) end
       redis.call('ZREM', prefix .. 'inflight', id)
       redis.call('SREM', prefix .. 'live', id)
+    end
+    if ARGV[i + 7] == '1' or redis.call('HGET', h, 'st') == 'f' then
       redis.call('EXPIRE', h, ttl)
       redis.call('EXPIRE', o, ttl)
       redis.call('EXPIRE', t, ttl)
-    else
-      if ARGV[i + 5] ~= '' then redis.call('HSET', h, 'ft', ARGV[i + 5]) end
-      if ARGV[i + 6] ~= '' then redis.call('HSET', h, 'fs', ARGV[i + 6]) end
-      if redis.call('HGET', h, 'st') == 'f' then
-        redis.call('EXPIRE', o, ttl)
-        redis.call('EXPIRE', t, ttl)
-      end
+      redis.call('EXPIRE', l, ttl)
     end
   end
 end
 return 1
 """
-STEP_ITEM_ARGS = 13
+STEP_ITEM_ARGS = 16
 
 # Ends requests that did not finish through a step (cancel, errors, requeue
 # limit), queued or running. ARGV: prefix, ttl seconds, then 2 + 2k per request:
@@ -222,6 +221,7 @@ while i <= #ARGV do
     redis.call('EXPIRE', h, ttl)
     redis.call('EXPIRE', prefix .. 'out:' .. id, ttl)
     redis.call('EXPIRE', prefix .. 'txt:' .. id, ttl)
+    redis.call('EXPIRE', prefix .. 'lp:' .. id, ttl)
   end
   i = i + 2 + 2 * k
 end
@@ -242,7 +242,7 @@ for i = 2, #ARGV, 2 do
   if st and st ~= 'f' and tok == ARGV[i + 1] then
     if st == 'q' then redis.call('ZREM', prefix .. 'q:' .. q, m) end
     redis.call('ZREM', prefix .. 'inflight', id)
-    redis.call('DEL', h, prefix .. 'out:' .. id, prefix .. 'txt:' .. id)
+    redis.call('DEL', h, prefix .. 'out:' .. id, prefix .. 'txt:' .. id, prefix .. 'lp:' .. id)
     redis.call('SREM', prefix .. 'live', id)
   end
 end

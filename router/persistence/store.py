@@ -7,6 +7,8 @@ Keys (prefix P, default "quadriga:"):
                         n=times assigned, seq, rq=requeues, asg, fs, ft, fin, fr, err, rep, pre
   P out:<id>     string output token ids so far, packed little-endian uint32
   P txt:<id>     string output text so far (UTF-8)
+  P lp:<id>      string with sampling.logprobs = k: per output token, its logprob and
+                        the top k (id, logprob), packed (pack_logprobs); 4 + 8k bytes a token
   P q:<name>     zset   queued requests; name is "pending" or "r:<replica>";
                         score = -priority, member = arrival_us(16) seq(12) ":" id,
                         so equal priorities pop in arrival order
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import array
 import math
+import struct
 import sys
 
 import redis.asyncio as aioredis
@@ -54,6 +57,35 @@ def unpack_tokens(data: bytes | None) -> list[int]:
     if not _LITTLE:
         a.byteswap()
     return a.tolist()
+
+
+_NO_TOKEN = 0xFFFFFFFF
+
+
+def pack_logprobs(entries, k: int) -> bytes:
+    """Per token: float32 logprob, then k x (uint32 token id, float32 logprob),
+    little-endian; a shorter top list is padded with id 0xFFFFFFFF. Fixed size,
+    4 + 8k bytes a token, so a delta is written at its offset."""
+    record = struct.Struct("<f" + "If" * k)
+    out = bytearray()
+    for lp, top in entries:
+        pairs = list(top)[:k]
+        pairs += [(_NO_TOKEN, 0.0)] * (k - len(pairs))
+        out += record.pack(lp, *(x for pair in pairs for x in pair))
+    return bytes(out)
+
+
+def unpack_logprobs(data: bytes | None, k: int) -> list[tuple[float, tuple]]:
+    if not data:
+        return []
+    record = struct.Struct("<f" + "If" * k)
+    usable = len(data) - len(data) % record.size
+    out = []
+    for fields in record.iter_unpack(data[:usable]):
+        pairs = tuple((fields[i], fields[i + 1]) for i in range(1, len(fields), 2)
+                      if fields[i] != _NO_TOKEN)
+        out.append((fields[0], pairs))
+    return out
 
 
 class Store:
@@ -87,6 +119,9 @@ class Store:
 
     def txt_key(self, rid: str) -> str:
         return f"{self.prefix}txt:{rid}"
+
+    def lp_key(self, rid: str) -> str:
+        return f"{self.prefix}lp:{rid}"
 
     def queue_key(self, name: str) -> str:
         return f"{self.prefix}q:{name}"
@@ -131,7 +166,7 @@ class Store:
                      reply_arity=-1, numkeys=2)
 
     def step(self, items: list) -> Write:
-        """items: 13 per delta (lua.STEP)."""
+        """items: 16 per delta (lua.STEP)."""
         return Write(self._step, (self.prefix, self.ttl), items, item_args=lua.STEP_ITEM_ARGS)
 
     def requeue(self, items: list) -> Write:
@@ -178,9 +213,10 @@ class Store:
                 pipe.hgetall(self.req_key(rid))
                 pipe.get(self.out_key(rid))
                 pipe.get(self.txt_key(rid))
+                pipe.get(self.lp_key(rid))
             res = await pipe.execute()
             for i, rid in enumerate(chunk):
-                h, toks, txt = res[3 * i], res[3 * i + 1], res[3 * i + 2]
+                h, toks, txt, lp = res[4 * i:4 * i + 4]
                 if not h:
                     out.append(None)
                     continue
@@ -188,6 +224,7 @@ class Store:
                 rec["id"] = rid
                 rec["tokens"] = unpack_tokens(toks)
                 rec["text"] = txt or b""
+                rec["logprobs"] = lp or b""
                 out.append(rec)
         return out
 

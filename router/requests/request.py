@@ -63,6 +63,9 @@ class RequestState:
         self.lease_deadline = 0.0             # unix s; DETACHED requests are requeued after it
         self.assignments = 0                  # times popped (guards a retried requeue)
         self.tokens: list[int] = []
+        # With sampling.logprobs = k: per token (logprob, ((token id, logprob) x k)).
+        self.logprobs: list[tuple[float, tuple]] = []
+        self.cached_tokens = 0                # prompt tokens its replica had cached
         self.parts: list[str] = []
         self.text_bytes = 0                   # UTF-8 bytes of parts (the txt key's length)
         self.visible_tokens = 0
@@ -100,12 +103,17 @@ class RequestState:
         return self.phase is Phase.FINISHED
 
     @property
+    def logprobs_k(self) -> int | None:
+        return self.spec.sampling.logprobs
+
+    @property
     def live(self) -> bool:
         return self.phase is not Phase.FINISHED
 
     # ---- fan-out (read side) ----
-    def subscribe(self, interval: int) -> Subscriber:
-        sub = Subscriber(interval=max(1, interval))
+    def subscribe(self, interval: int, event: asyncio.Event | None = None) -> Subscriber:
+        """event: shared by the subscriptions of one call that follows several requests."""
+        sub = Subscriber(interval=max(1, interval), event=event or asyncio.Event())
         self.subscribers.append(sub)
         return sub
 
@@ -141,4 +149,5 @@ class RequestState:
                     time_to_first_token_s=since(self.first_token_at),
                     end_to_end_s=since(end), replica_id=self.replica_id,
                     preemptions=self.preemptions, prompt_tokens=self.prompt_len,
-                    output_tokens=len(self.tokens), requeues=self.requeues)
+                    output_tokens=len(self.tokens), requeues=self.requeues,
+                    cached_tokens=self.cached_tokens)

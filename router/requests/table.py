@@ -26,7 +26,7 @@ import time
 import uuid
 from typing import Callable
 
-from router.persistence.store import Store, pack_tokens
+from router.persistence.store import Store, pack_logprobs, pack_tokens
 from router.persistence.writer import RedisWriter
 from router.requests.queue_order import QueueOrder
 from router.requests.request import CANCELLED, ERROR, Phase, RequestState, Subscriber
@@ -169,6 +169,7 @@ class RequestTable:
         if req.phase is Phase.QUEUED:
             self._confirmed[req.queue] = self._confirmed.get(req.queue, 0) + 1
         self.metrics.accepted.inc()
+        self.metrics.prompt_tokens.inc(req.prompt_len)
         self.on_queued()
 
     def forget_unstored(self, req: RequestState) -> None:
@@ -275,6 +276,7 @@ class RequestTable:
         args: list = []
         marks = []
         metrics = self.metrics
+        generated = 0
         for req, d in items:
             assert req.phase is Phase.RUNNING and req.owner == replica_id, (req.id, req.phase)
             tokens = d.token_ids
@@ -289,6 +291,7 @@ class RequestTable:
                     ft = repr(now)
                 req.tokens.extend(tokens)
                 req.last_token_at = now
+                generated += len(tokens)
             text = d.text.encode() if d.text else b""
             if text:
                 req.parts.append(d.text)
@@ -299,15 +302,23 @@ class RequestTable:
             if d.preemptions:
                 req.preemptions = req.preemption_base + d.preemptions
             packed = pack_tokens(tokens) if tokens else b""
+            lp_offset, lp = self._record_logprobs(req, d)
+            ct = ""
+            if d.cached_tokens and not req.cached_tokens:
+                req.cached_tokens = ct = d.cached_tokens
             if d.HasField("finish_reason"):
                 req.replica_id = replica_id
                 self._disown(req)
                 self._finish(req, d.finish_reason, d.error, "")
                 args += (req.id, tok_offset, packed, txt_offset, text, ft, fs, 1, req.finish_reason,
-                         req.error, req.replica_id, repr(req.finished_at), req.preemptions)
+                         req.error, req.replica_id, repr(req.finished_at), req.preemptions,
+                         lp_offset, lp, ct)
             else:
-                args += (req.id, tok_offset, packed, txt_offset, text, ft, fs, 0, "", "", "", "", "")
+                args += (req.id, tok_offset, packed, txt_offset, text, ft, fs, 0, "", "", "", "", "",
+                         lp_offset, lp, ct)
             marks.append((req, len(req.tokens), len(req.parts), req.finished))
+        if generated:
+            metrics.generation_tokens.inc(generated)
         if self.writer.stalled:
             for req, n_tok, n_parts, finished in marks:
                 self._show(req, n_tok, n_parts, finished)
@@ -322,6 +333,18 @@ class RequestTable:
         write = self.store.step(args) if args else self.store.barrier(None)
         write.on_done = durable
         self.writer.post(write)
+
+    @staticmethod
+    def _record_logprobs(req: RequestState, d) -> tuple[int, bytes]:
+        """Appends a delta's logprobs; returns their byte offset and packing (lp key)."""
+        k = req.logprobs_k
+        if k is None or not d.token_ids:
+            return 0, b""
+        offset = len(req.logprobs)
+        entries = [(e.logprob, tuple(zip(e.top_token_ids, e.top_logprobs))) for e in d.logprobs]
+        entries += [(0.0, ())] * (len(d.token_ids) - len(entries))  # a replica that sent none
+        req.logprobs.extend(entries)
+        return offset * (4 + 8 * k), pack_logprobs(entries, k)
 
     def _show(self, req: RequestState, n_tok: int, n_parts: int, finished: bool) -> None:
         req.visible_tokens = max(req.visible_tokens, n_tok)
@@ -383,8 +406,8 @@ class RequestTable:
         return True
 
     # ---- client streams ----
-    def subscribe(self, req: RequestState, interval: int) -> Subscriber:
-        return req.subscribe(interval)
+    def subscribe(self, req: RequestState, interval: int, event=None) -> Subscriber:
+        return req.subscribe(interval, event)
 
     def unsubscribe(self, req: RequestState, sub: Subscriber) -> None:
         """The last stream of an unfinished request going away cancels it,

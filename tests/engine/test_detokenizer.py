@@ -94,3 +94,21 @@ def test_resume_without_text_length_skips_nothing_complete(tokenizer):
     sent = tokenizer.decode(ids[:resume])
     rest, _ = stream(tokenizer, ids, resume=resume)
     assert sent + "".join(rest) == "hello world again"
+
+
+def test_stop_strings_unchecked_before_min_tokens_then_only_new_ones_match(tokenizer):
+    text = "ab the end ab x ab"
+    ids = byte_tokens(tokenizer, text)
+    out: list[int] = []
+    detok = IncrementalDetokenizer(tokenizer, out, ("ab",))
+    sent, hits = "", []
+    for i, token in enumerate(ids):
+        out.append(token)
+        # Checking starts right after the second "ab" has gone out unchecked.
+        piece, hit = detok.step(check_stop=len(tokenizer.decode(out)) > len("ab the end ab"))
+        sent += piece
+        hits.append(hit)
+        if hit:
+            break
+    # Unchecked text is neither held back nor matched; the "ab"s sent before are never matched later.
+    assert sent == "ab the end ab x " and hits[-1] and hits.count(True) == 1

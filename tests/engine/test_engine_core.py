@@ -17,21 +17,22 @@ def free_all(engine):
 
 
 def test_stop_token_id_finishes_with_that_token(llm):
-    greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
     stop_at = greedy.token_ids[5]
     first = greedy.token_ids.index(stop_at)
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                                   stop_token_ids=[stop_at]))[0]
+                                                   stop_token_ids=[stop_at]))[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == greedy.token_ids[: first + 1]
 
 
 def test_stop_string_truncates_text(llm):
-    greedy = llm.generate(["the model"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    greedy = llm.generate(["the model"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
     text = greedy.text
     stop = text[len(text) // 2: len(text) // 2 + 2]
     assert stop.strip(), "need a visible stop string"
-    out = llm.generate(["the model"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))[0]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+    out = llm.generate(["the model"], params)[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.text == text[: text.index(stop)]
     assert stop not in out.text
@@ -41,11 +42,11 @@ def test_eos_stops_unless_ignored(tiny_model_factory):
     # A model whose greedy output quickly hits EOS: make EOS the first greedy token.
     path = str(tiny_model_factory("llama"))
     llm = LLM(path, chunk_size=16)
-    first = llm.generate([[9, 8, 7]], SamplingParams(temperature=0, max_tokens=1))[0].token_ids[0]
+    first = llm.generate([[9, 8, 7]], SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids[0]
     llm.engine.eos_token_ids = frozenset({first})
-    out = llm.generate([[9, 8, 7]], SamplingParams(temperature=0, max_tokens=10))[0]
+    out = llm.generate([[9, 8, 7]], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
     assert out.token_ids == [first] and out.finish_reason == "stop"
-    out = llm.generate([[9, 8, 7]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    out = llm.generate([[9, 8, 7]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
 
 
@@ -64,15 +65,15 @@ def test_abort_mid_generation_frees_blocks(llm):
 
 def test_seeded_sampling_ignores_batch_company(llm):
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
-    alone = llm.generate([[11, 12, 13]], params)[0].token_ids
+    alone = llm.generate([[11, 12, 13]], params)[0].outputs[0].token_ids
     noisy = [SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True)] * 3
     crowd = llm.generate([[1, 2], [11, 12, 13], list(range(30, 70)), [7]], [noisy[0], params, *noisy[1:]])
-    assert crowd[1].token_ids == alone
+    assert crowd[1].outputs[0].token_ids == alone
 
 
 def test_resumed_request_continues_the_same_tokens(llm):
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True)
-    full = llm.generate([[21, 22, 23, 24]], params)[0].token_ids
+    full = llm.generate([[21, 22, 23, 24]], params)[0].outputs[0].token_ids
     engine = llm.engine
     engine.add_request("r", [21, 22, 23, 24], params, resume_token_ids=full[:6])
     got, offsets = [], []
@@ -103,6 +104,19 @@ def test_bad_requests_raise_clear_errors(llm, prompt, params, message):
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"),
     (dict(stop=[""]), "stop"),
+    (dict(n=0), "n must be"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=9, max_tokens=8), "min_tokens .9. must be at most max_tokens .8."),
+    (dict(min_p=1.5), "min_p"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3.0), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(seed=1 << 64), "seed"),
 ])
 def test_bad_sampling_values(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -113,13 +127,13 @@ def test_request_that_can_never_fit_is_rejected(tiny_model):
     llm = LLM(str(tiny_model), num_blocks=4, block_size=16)  # 64 tokens of cache in all
     with pytest.raises(InvalidRequestError, match="never fit"):
         llm.engine.add_request("big", list(range(3, 60)), SamplingParams(max_tokens=20))
-    out = llm.generate([[3, 4]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    out = llm.generate([[3, 4]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 8
 
 
 def test_stop_string_spanning_the_resume_boundary(llm):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    full = llm.generate(["the model"], params)[0]
+    full = llm.generate(["the model"], params)[0].outputs[0]
     tok = llm.engine.tokenizer
     prompt = llm._encode("the model")
     for k in range(3, 20):

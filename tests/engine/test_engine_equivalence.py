@@ -44,7 +44,7 @@ def test_greedy_equals_transformers(arch_model, reference, scheduler, config_nam
     _, path = arch_model
     kwargs, expect_preemption = CONFIGS[config_name]
     llm = LLM(path, scheduler=scheduler, **kwargs)
-    outs = llm.generate(PROMPTS, GREEDY)
+    outs = [r.outputs[0] for r in llm.generate(PROMPTS, GREEDY)]
     for prompt, ref, out in zip(PROMPTS, reference, outs):
         assert out.token_ids == ref, f"{scheduler}: prompt of {len(prompt)} tokens diverged"
         assert out.finish_reason == "length"
@@ -60,6 +60,6 @@ def test_text_matches_tokens(tiny_model):
 
     llm = LLM(str(tiny_model), chunk_size=8)
     tok = load_tokenizer(str(tiny_model))
-    outs = llm.generate(["Zürich café 東京", "the model"], GREEDY)
+    outs = [r.outputs[0] for r in llm.generate(["Zürich café 東京", "the model"], GREEDY)]
     for out in outs:
         assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)

@@ -47,7 +47,7 @@ def test_a_shared_system_prompt_hits_and_matches_transformers(model, shared_refe
     llm = LLM(model, scheduler=scheduler, **kwargs)
     first = llm.generate(SHARED[:1], GREEDY)
     rest = llm.generate(SHARED[1:], GREEDY)
-    assert [o.token_ids for o in first + rest] == shared_reference
+    assert [o.outputs[0].token_ids for o in first + rest] == shared_reference
     # The shared prefix ends inside a block: only its full blocks are reused.
     shared_blocks = len(SYSTEM) // bs * bs
     assert cached_per_request(first + rest) == [0, shared_blocks, shared_blocks]
@@ -64,7 +64,7 @@ def test_identical_and_fully_cached_prompts(model):
     llm = LLM(model, block_size=BS, chunk_size=16)
     llm.generate([prompt], GREEDY)
     outs = llm.generate(variants, GREEDY)
-    assert [o.token_ids for o in outs] == reference
+    assert [o.outputs[0].token_ids for o in outs] == reference
     # 41 tokens: all 5 blocks cached, one token computed. 40 (an exact multiple):
     # the block holding the last token is recomputed. 33: one token computed.
     assert cached_per_request(outs) == [40, 40, 32, 32]
@@ -78,11 +78,11 @@ def test_a_multi_turn_conversation_reuses_the_earlier_answer(model):
         conversation = conversation + user
         ref = hf_greedy(model, [conversation], MAX_NEW)[0]
         out = llm.generate([conversation], GREEDY)[0]
-        assert out.token_ids == ref, f"turn {turn} diverged"
+        assert out.outputs[0].token_ids == ref, f"turn {turn} diverged"
         assert out.num_cached_tokens == expected_cached[turn]
         # Computed KV: the whole context but the last generated token; its full blocks stay cached.
         computed = len(conversation) + MAX_NEW - 1
-        conversation = conversation + out.token_ids
+        conversation = conversation + out.outputs[0].token_ids
         expected_cached.append(computed // BS * BS)
     assert expected_cached[1:3] == [40, 56]  # the answers' blocks were reused, not only the prompts'
 
@@ -95,7 +95,7 @@ def test_preemption_under_a_tight_cache_reuses_blocks(model, scheduler):
     llm = LLM(model, scheduler=scheduler, block_size=4, chunk_size=16, num_blocks=24, max_num_batched_tokens=96)
     warm = llm.generate(prompts[:1], GREEDY)
     outs = llm.generate(prompts[1:], GREEDY)
-    assert [o.token_ids for o in warm + outs] == reference
+    assert [o.outputs[0].token_ids for o in warm + outs] == reference
     assert all(o.num_cached_tokens == 36 for o in outs)
     if scheduler in ("sarathi", "vllm", "simple_chunking"):
         assert sum(o.metrics.num_preemptions for o in outs) > 0, "the tight cache was meant to preempt"
@@ -115,13 +115,13 @@ def test_more_distinct_prefixes_than_blocks_evict_the_oldest(model):
     mirror: set[int] = set()
     evicted = 0
     for prompt, ref in zip(prompts, reference):
-        assert llm.generate([prompt], params)[0].token_ids == ref
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == ref
         events = engine.take_kv_events()
         evicted += len(events.evicted)
         mirror = (mirror - set(events.evicted)) | set(events.stored)
     assert evicted > 0 and mirror == set(engine.cached_block_hashes())
     newest, oldest = llm.generate([prompts[-1]], params)[0], llm.generate([prompts[0]], params)[0]
-    assert (newest.token_ids, oldest.token_ids) == (reference[-1], reference[0])
+    assert (newest.outputs[0].token_ids, oldest.outputs[0].token_ids) == (reference[-1], reference[0])
     assert (newest.num_cached_tokens, oldest.num_cached_tokens) == (8, 0)
 
 
@@ -129,7 +129,7 @@ def test_a_resumed_request_reuses_blocks_of_its_prompt_and_resumed_tokens(model)
     prompt = [(i * 17) % 450 + 20 for i in range(20)]
     reference = hf_greedy(model, [prompt], MAX_NEW)[0]
     llm = LLM(model, block_size=BS, chunk_size=16)
-    assert llm.generate([prompt], GREEDY)[0].token_ids == reference
+    assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == reference
     engine = llm.engine
     seq = engine.add_request("moved", prompt, GREEDY, resume_token_ids=reference[:6])
     tokens = []
@@ -143,7 +143,7 @@ def test_a_resumed_request_reuses_blocks_of_its_prompt_and_resumed_tokens(model)
 def test_caching_off_gives_the_same_tokens_and_reuses_nothing(model, shared_reference):
     llm = LLM(model, enable_prefix_caching=False, **CONFIGS["roomy"])
     outs = llm.generate(SHARED[:1], GREEDY) + llm.generate(SHARED[1:], GREEDY)
-    assert [o.token_ids for o in outs] == shared_reference
+    assert [o.outputs[0].token_ids for o in outs] == shared_reference
     assert cached_per_request(outs) == [0, 0, 0]
     engine = llm.engine
     assert not engine.prefix_caching_enabled
@@ -156,7 +156,7 @@ def test_reported_hashes_are_what_a_router_computes_from_the_tokens(model):
     engine = llm.engine
     out = llm.generate(SHARED[:1], GREEDY)[0]
     events = engine.take_kv_events()
-    computed = (SHARED[0] + out.token_ids)[: len(SHARED[0]) + MAX_NEW - 1]
+    computed = (SHARED[0] + out.outputs[0].token_ids)[: len(SHARED[0]) + MAX_NEW - 1]
     hasher = engine.block_hasher
     assert (hasher.scheme, hasher.block_size, hasher.salt) == ("blake2b64-v1", BS, b"")
     assert set(events.stored) == set(block_hashes(computed, BS)) == set(engine.cached_block_hashes())
@@ -173,7 +173,7 @@ def test_a_sliding_window_model_hits_and_matches_transformers(tiny_model_factory
     llm = LLM(path, scheduler=scheduler, block_size=4, chunk_size=6, max_num_batched_tokens=128)
     assert llm.engine.runner.backend.sliding_window == 8
     outs = llm.generate(SHARED[:1], GREEDY) + llm.generate(SHARED[1:], GREEDY)
-    assert [o.token_ids for o in outs] == reference
+    assert [o.outputs[0].token_ids for o in outs] == reference
     assert cached_per_request(outs) == [0, 36, 36]
 
 

@@ -40,7 +40,7 @@ class HandScheduler:
             chunks.append(Chunk(seq, n))
         # Decodes after prefills, as the real scheduler orders them.
         chunks.sort(key=lambda c: c.num_tokens == 1)
-        sampled = iter(self.runner.execute(chunks))
+        sampled = iter(self.runner.execute(chunks).token_ids)
         out = {}
         for c in chunks:
             samples = c.samples
@@ -108,7 +108,7 @@ def test_runner_properties_and_cache_sizing(tiny_model_factory):
     assert runner.kv_cache.layers[0].shape == (runner.num_blocks, 2, 8, 2, 16)
     assert (runner.block_size, runner.max_model_len, runner.vocab_size, runner.eos_token_id) == (8, 300, 512, 2)
     assert make_runner(path).max_model_len == 1024
-    assert runner.execute([]) == []
+    assert runner.execute([]).token_ids == []
     with pytest.raises(ValueError, match="max_model_len"):
         ModelRunner(EngineConfig(ModelConfig(str(path), max_model_len=5000)))
 
@@ -117,6 +117,6 @@ def test_non_sampling_chunks_return_nothing(tiny_model_factory):
     runner = make_runner(tiny_model_factory("llama"))
     seq = Sequence("p", list(range(10, 30)), SamplingParams(temperature=0.0))
     seq.block_ids = [3, 1, 4, 0, 2]
-    assert runner.execute([Chunk(seq, 12)]) == []
+    assert runner.execute([Chunk(seq, 12)]).token_ids == []
     seq.num_computed_tokens = 12
-    assert len(runner.execute([Chunk(seq, 8)])) == 1
+    assert len(runner.execute([Chunk(seq, 8)]).token_ids) == 1

@@ -44,7 +44,7 @@ def reference(windowed_model):
 def test_windowed_greedy_equals_transformers(windowed_model, reference, scheduler, kwargs):
     llm = LLM(windowed_model, scheduler=scheduler, **kwargs)
     assert llm.engine.runner.backend.sliding_window == WINDOW
-    outs = llm.generate(PROMPTS, GREEDY)
+    outs = [r.outputs[0] for r in llm.generate(PROMPTS, GREEDY)]
     for prompt, ref, out in zip(PROMPTS, reference, outs):
         assert out.token_ids == ref, f"{scheduler}: prompt of {len(prompt)} tokens diverged"
     if kwargs["num_blocks"] * kwargs["block_size"] < sum(len(p) + MAX_NEW for p in PROMPTS) \

@@ -174,7 +174,7 @@ def test_health_reflection_and_metrics(redis_url, tiny_model, arun):
                     resp = await health.Check(health_pb2.HealthCheckRequest(service=service))
                     assert resp.status == health_pb2.HealthCheckResponse.SERVING
             async with client(app.address) as stub:
-                await collect(stub, request([1], 3))
+                await collect(stub, request([1, 2], 3))
             app.metrics.sync_round_trips(app.writer.round_trips)
             loop = asyncio.get_running_loop()
             text = await loop.run_in_executor(
@@ -182,7 +182,8 @@ def test_health_reflection_and_metrics(redis_url, tiny_model, arun):
             for name in ("quadriga_queue_depth", "quadriga_ttft_seconds_bucket", "quadriga_e2e_seconds",
                          "quadriga_replicas_connected 1.0", "quadriga_messages_in_total",
                          "quadriga_requests_total", "quadriga_redis_round_trips_total",
-                         "quadriga_inflight_requests", "quadriga_tbt_seconds"):
+                         "quadriga_inflight_requests", "quadriga_tbt_seconds",
+                         "quadriga_prompt_tokens_total 2.0", "quadriga_generation_tokens_total 3.0"):
                 assert name in text, name
             await reps.close()
 

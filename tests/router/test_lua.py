@@ -94,7 +94,7 @@ def test_every_script_run_twice_is_run_once(redis_url, arun):
             assert await pop(writer, store, 5, None, "p1") == ["a"]  # a retried pop: what it took
             assert await r.hget("idem:req:a", "n") == b"1"
 
-            step = [("a", 0, pack_tokens([7, 8]), 0, b"xy", "1.0", "", 0, "", "", "", "", "")]
+            step = [("a", 0, pack_tokens([7, 8]), 0, b"xy", "1.0", "", 0, "", "", "", "", "", 0, b"", "")]
             for _ in range(2):
                 await writer.call(store.step([v for item in step for v in item]))
             assert await r.get("idem:out:a") == pack_tokens([7, 8])

@@ -68,8 +68,18 @@ class GenerateRequest(_message.Message):
     stream_interval: int
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprob", "top_token_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class RequestTimings(_message.Message):
-    __slots__ = ("queue_time_s", "scheduling_delay_s", "time_to_first_token_s", "end_to_end_s", "replica_id", "preemptions", "prompt_tokens", "output_tokens", "requeues")
+    __slots__ = ("queue_time_s", "scheduling_delay_s", "time_to_first_token_s", "end_to_end_s", "replica_id", "preemptions", "prompt_tokens", "output_tokens", "requeues", "cached_tokens")
     QUEUE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     SCHEDULING_DELAY_S_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +89,7 @@ class RequestTimings(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEUES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     queue_time_s: float
     scheduling_delay_s: float
     time_to_first_token_s: float
@@ -88,10 +99,11 @@ class RequestTimings(_message.Message):
     prompt_tokens: int
     output_tokens: int
     requeues: int
-    def __init__(self, queue_time_s: _Optional[float] = ..., scheduling_delay_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., end_to_end_s: _Optional[float] = ..., replica_id: _Optional[str] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., requeues: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, queue_time_s: _Optional[float] = ..., scheduling_delay_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., end_to_end_s: _Optional[float] = ..., replica_id: _Optional[str] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., requeues: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "output_offset", "finish_reason", "timings", "error")
+    __slots__ = ("request_id", "token_ids", "text", "output_offset", "finish_reason", "timings", "error", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +111,7 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -106,7 +119,8 @@ class GenerateResponse(_message.Message):
     finish_reason: FinishReason
     timings: RequestTimings
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., output_offset: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[RequestTimings, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., output_offset: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[RequestTimings, _Mapping]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -86,7 +86,7 @@ class Heartbeat(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestDelta(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "output_offset", "finish_reason", "error", "first_scheduled_at", "preemptions")
+    __slots__ = ("request_id", "token_ids", "text", "output_offset", "finish_reason", "error", "first_scheduled_at", "preemptions", "logprobs", "cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,8 @@ class RequestDelta(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FIRST_SCHEDULED_AT_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -103,7 +105,9 @@ class RequestDelta(_message.Message):
     error: str
     first_scheduled_at: float
     preemptions: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., output_offset: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., first_scheduled_at: _Optional[float] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., output_offset: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., first_scheduled_at: _Optional[float] = ..., preemptions: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
     __slots__ = ("step_id", "deltas", "batch_size", "num_tokens", "step_time_s", "free_kv_blocks", "kv_events")

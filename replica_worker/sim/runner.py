@@ -1,0 +1,78 @@
+"""A model runner that runs no model: it waits as long as the cost model says the
+batch would take, and samples tokens by a fixed rule.
+
+Output token i of a request (resumed tokens counted) is (sum(prompt) + i) % vocab,
+the rule of tests/support/scripted_replica.py, so a client can check every token.
+The wait is time.sleep, which holds no GIL: many simulated replicas share a
+host's cores, each costing only its scheduler's work.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from replica_worker.engine.sampler import SamplerOutput
+from replica_worker.sim.cost_model import CostModel, StepFeatures, features_of
+
+
+def rule_token(prompt_token_ids, index: int, vocab_size: int) -> int:
+    return (sum(prompt_token_ids) + index) % vocab_size
+
+
+def chunk_signature(chunks) -> tuple[tuple[str, int, int], ...]:
+    """(request id, tokens computed, tokens computed before) per chunk, in order:
+    what two engines must agree on for their schedules to be the same."""
+    return tuple((c.seq.seq_id, c.num_tokens, c.seq.num_computed_tokens) for c in chunks)
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    """One executed step as the runner saw it (chunk_signature) and its modelled seconds."""
+
+    chunks: tuple[tuple[str, int, int], ...]
+    modelled_s: float
+
+
+class SimulatedRunner:
+    """What EngineCore needs of a ModelRunner: execute() and the replica's shape.
+
+    time_scale multiplies every wait (0: no waiting, for replaying schedules
+    faster than real time). record=True keeps every step's ScheduledStep in
+    `steps` (for comparing schedules; it grows without bound)."""
+
+    def __init__(self, cost: CostModel, *, num_blocks: int, max_model_len: int, vocab_size: int,
+                 eos_token_id: int | None = None, time_scale: float = 1.0, record: bool = False):
+        if time_scale < 0:
+            raise ValueError("time_scale must be non-negative")
+        self.cost = cost
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.time_scale = time_scale
+        self.totals = StepFeatures()
+        self.modelled_s = 0.0  # sum of every step's modelled time
+        self.steps: list[ScheduledStep] | None = [] if record else None
+
+    def set_eos_token_ids(self, ids) -> None:
+        """Rule tokens are not sampled: nothing masks EOS."""
+
+    def release(self, seq) -> None:
+        """Nothing is held per sequence."""
+
+    def execute(self, chunks) -> SamplerOutput:
+        """One token per chunk that reaches its sequence's last known token, in chunk order."""
+        features = features_of(chunks)
+        seconds = self.cost.time_of(features)
+        self.totals += features
+        self.modelled_s += seconds
+        if self.steps is not None:
+            self.steps.append(ScheduledStep(chunk_signature(chunks), seconds))
+        sampled = [
+            rule_token(c.seq.prompt_token_ids, c.seq.num_output_tokens, self.vocab_size)
+            for c in chunks if c.seq.num_computed_tokens + c.num_tokens == c.seq.num_tokens
+        ]
+        if self.time_scale:
+            time.sleep(seconds * self.time_scale)
+        return SamplerOutput(sampled, None)

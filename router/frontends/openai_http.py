@@ -1,0 +1,277 @@
+"""The OpenAI-compatible HTTP front door: FastAPI on the router's own event loop
+(uvicorn, as vLLM serves it), beside gRPC, over the same request path.
+
+  POST /v1/completions   POST /v1/chat/completions   GET /v1/models   GET /health
+
+Streaming is server-sent events ending with `data: [DONE]`. Errors use
+OpenAI's JSON shape and the status the gRPC code maps to (400, 401, 404, 409,
+429, 503). A client-chosen `X-Request-Id` makes a call idempotent: calling
+again with it, after a router restart say, replays the output. A client
+that disconnects cancels its request; the router ending a stream at shutdown
+does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from router.frontends import openai_render as render
+from router.frontends.openai_models import ChatCompletionRequest, CompletionRequest
+from router.requests.request import ERROR
+from router.validation import RouterError, invalid
+
+log = logging.getLogger(__name__)
+
+STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.INTERNAL: 500,
+}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               409: "conflict_error", 429: "rate_limit_error", 503: "unavailable_error",
+               500: "internal_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"),
+                      "param": param, "code": status}}
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse(error_body(status, message), status_code=status)
+
+
+def describe_validation_error(err: RequestValidationError) -> str:
+    """The first problem, named by its field: 'messages.0.role: Field required'."""
+    errors = err.errors()
+    if not errors:
+        return "the request body is not valid"
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON"
+    # Union members show up as type names in the path (prompt.str, prompt.list[int]).
+    path = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_type_name(x)]
+    field = ".".join(path) or "body"
+    union = [e for e in errors if e.get("loc", ())[:2] == first.get("loc", ())[:2]]
+    if len(union) > 1:
+        return f"{field}: not a valid value ({len(union)} accepted forms, none matched)"
+    return f"{field}: {first.get('msg', 'invalid value')}"
+
+
+def _is_type_name(part) -> bool:
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool"} or "[" in part)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield  # the router owns SIGTERM and SIGINT: its stop ends this server too
+
+
+class OpenAIFrontend:
+    def __init__(self, admission, table, config, metrics, limits):
+        self.admission = admission
+        self.table = table
+        self.config = config
+        self.metrics = metrics
+        self.limits = limits
+        self.keys = config.api_key_set
+        self.app = self._build()
+        self._server: _Server | None = None
+        self._task: asyncio.Task | None = None
+        self.port = 0
+
+    # ---- serving ----
+    async def start(self, host: str, port: int) -> int:
+        cfg = uvicorn.Config(self.app, host=host, port=port, lifespan="off", access_log=False,
+                             log_level="warning", timeout_graceful_shutdown=2)
+        self._server = _Server(cfg)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(), name="openai-http")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
+            await asyncio.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # ---- the app ----
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="Quadriga", openapi_url=None, docs_url=None, redoc_url=None)
+
+        @app.exception_handler(RouterError)
+        async def router_error(_request, err: RouterError):
+            self.metrics.rejections.labels(err.reason).inc()
+            return error_response(STATUS.get(err.code, 500), err.message)
+
+        @app.exception_handler(RequestValidationError)
+        async def bad_body(_request, err: RequestValidationError):
+            self.metrics.rejections.labels("invalid_argument").inc()
+            return error_response(400, describe_validation_error(err))
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            if self.keys and request.url.path.startswith("/v1/"):
+                header = request.headers.get("authorization", "")
+                key = header[7:].strip() if header.lower().startswith("bearer ") else ""
+                if not key or not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.keys):
+                    self.metrics.rejections.labels("client_auth").inc()
+                    return error_response(401, "missing API key (Authorization: Bearer <key>)"
+                                          if not key else "invalid API key")
+            return await call_next(request)
+
+        app.get("/health")(self.health)
+        app.get("/v1/models")(self.models)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        return app
+
+    async def health(self):
+        if self.admission.stopping:
+            return error_response(503, "the router is shutting down")
+        return {"status": "ok"}
+
+    async def models(self):
+        return {"object": "list", "data": [{
+            "id": self.config.served_model_name, "object": "model", "created": 0,
+            "owned_by": "quadriga", "max_model_len": self.limits.max_model_len}]}
+
+    def _check_model(self, model: str | None) -> None:
+        served = self.config.served_model_name
+        if model and model != served:
+            raise RouterError(grpc.StatusCode.NOT_FOUND,
+                              f"model {model!r} does not exist; this router serves {served!r}",
+                              "unknown_model")
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._check_model(body.model)
+        rid = self._request_id(request)
+        specs = body.specs(rid or "")
+        return await self._serve(request, body, specs, rid, chat=False)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        self._check_model(body.model)
+        rid = self._request_id(request)
+        messages = body.rendered_messages()
+        body.chat_sampling()  # bad sampling is reported before the template runs
+        prompt_ids = await self.admission.render_chat(messages)
+        return await self._serve(request, body, body.specs(rid or "", prompt_ids), rid, chat=True)
+
+    @staticmethod
+    def _request_id(request: Request) -> str | None:
+        rid = request.headers.get("x-request-id")
+        if rid is not None and not rid:
+            raise invalid("X-Request-Id is empty")
+        return rid
+
+    # ---- one call: admit its requests, then stream or answer ----
+    async def _serve(self, request: Request, body, specs, rid: str | None, chat: bool):
+        reqs = await self._open_all(specs)
+        call_id = rid or uuid.uuid4().hex
+        meta = render.CallMeta(id=("chatcmpl-" if chat else "cmpl-") + call_id,
+                               model=self.config.served_model_name, created=int(time.time()),
+                               chat=chat, n=body.n, include_usage=body.include_usage)
+        headers = {"X-Request-Id": call_id}
+        tokenizer = await self.admission.tokenizer() if specs[0].sampling.logprobs is not None else None
+        if body.stream:
+            return StreamingResponse(self._stream(reqs, meta, tokenizer), headers=headers,
+                                     media_type="text/event-stream")
+        return await self._answer(request, reqs, meta, tokenizer, headers)
+
+    async def _open_all(self, specs):
+        results = await asyncio.gather(*(self.admission.open(s) for s in specs), return_exceptions=True)
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is None:
+            return results
+        for r in results:  # all or nothing: the accepted ones of a refused call are cancelled
+            if not isinstance(r, BaseException):
+                self.table.cancel(r.id, "call_refused")
+        raise failure
+
+    def _subscribe(self, reqs):
+        event = asyncio.Event()
+        interval = self.config.stream_interval
+        return event, [self.table.subscribe(r, interval, event) for r in reqs]
+
+    async def _stream(self, reqs, meta, tokenizer):
+        event, subs = self._subscribe(reqs)
+        chunks = render.StreamRenderer(meta, reqs, tokenizer)
+        done = [False] * len(reqs)
+        try:
+            yield chunks.opening()
+            while not all(done):
+                event.clear()
+                for i, (req, sub) in enumerate(zip(reqs, subs)):
+                    if done[i]:
+                        continue
+                    if sub.detached:
+                        yield render.sse(error_body(503, sub.detached))
+                        return
+                    out = req.take(sub)
+                    if out is None:
+                        continue
+                    tokens, text, offset, last = out
+                    if last and req.finish_reason == ERROR:
+                        yield render.sse(error_body(500, req.error or "the request failed"))
+                        return
+                    yield chunks.delta(i, req, tokens, text, offset, last)
+                    done[i] = last
+                if not all(done):
+                    await event.wait()
+            yield chunks.closing()
+        finally:
+            for req, sub in zip(reqs, subs):
+                self.table.unsubscribe(req, sub)
+
+    async def _answer(self, request: Request, reqs, meta, tokenizer, headers):
+        event, subs = self._subscribe(reqs)
+        gone = asyncio.create_task(_disconnected(request))
+        try:
+            while True:
+                event.clear()
+                for req, sub in zip(reqs, subs):
+                    if sub.detached:
+                        return error_response(503, sub.detached)
+                if all(r.finish_visible for r in reqs):
+                    break
+                waiter = asyncio.create_task(event.wait())
+                await asyncio.wait([waiter, gone], return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if gone.done():
+                    return error_response(499, "client disconnected")
+            failed = next((r for r in reqs if r.finish_reason == ERROR), None)
+            if failed is not None:
+                return error_response(500, failed.error or "the request failed")
+            return JSONResponse(render.full_response(meta, reqs, tokenizer), headers=headers)
+        finally:
+            gone.cancel()
+            for req, sub in zip(reqs, subs):
+                self.table.unsubscribe(req, sub)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

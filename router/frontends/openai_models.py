@@ -1,0 +1,167 @@
+"""OpenAI API request bodies (pydantic) and their translation to plain RequestSpecs.
+
+Only what the API defines is read; unknown fields are ignored, as OpenAI's
+own server and vLLM's do. Extensions: top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, priority. Values are checked by the shared
+validation (router/validation.py), so both front doors say the same thing
+about the same mistake.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.requests.spec import RequestSpec, Sampling
+from router.validation import invalid
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+MAX_N = 128
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    user: str | None = None
+    # Extensions, as vLLM names them.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    priority: int = 0
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None) -> Sampling:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return Sampling(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                        top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+                        ignore_eos=self.ignore_eos, stop=stop,
+                        min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
+                        frequency_penalty=self.frequency_penalty,
+                        repetition_penalty=self.repetition_penalty, logprobs=logprobs)
+
+    def check_n(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise invalid(f"n {self.n} must lie in [1, {MAX_N}]")
+        if self.n > 1 and self.temperature == 0:
+            pass  # allowed (n identical greedy answers), as OpenAI allows it
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    # Checked by prompts(), which says which forms are accepted.
+    prompt: Any = Field(default="")
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompts(self) -> list[str | tuple[int, ...]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise invalid("empty prompt: give prompt or prompt_token_ids")
+        if isinstance(p, list):
+            if all(_is_int(x) for x in p):
+                return [tuple(p)]
+            if all(isinstance(x, str) for x in p):
+                return list(p)
+            if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
+                return [tuple(x) for x in p]
+        raise invalid("prompt must be a string, a list of strings, a list of token ids, "
+                      "or a list of lists of token ids")
+
+    def specs(self, request_id: str) -> list[RequestSpec]:
+        """One spec per (prompt, completion), in the order choices are numbered."""
+        self.check_n()
+        if self.echo:
+            raise invalid("echo is not supported")
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        return _expand(self, self.prompts(), self.sampling(max_tokens, self.logprobs), request_id)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def rendered_messages(self) -> list[dict]:
+        if not self.messages:
+            raise invalid("messages is empty: give at least one message")
+        out = []
+        for i, m in enumerate(self.messages):
+            content = m.content
+            if isinstance(content, list):  # content parts: only text is understood
+                texts = []
+                for part in content:
+                    if part.get("type") != "text":
+                        raise invalid(f"messages[{i}].content: only text parts are supported, "
+                                      f"not {part.get('type')!r}")
+                    texts.append(str(part.get("text", "")))
+                content = "".join(texts)
+            out.append({**m.model_dump(exclude_none=True), "content": content or ""})
+        return out
+
+    def chat_sampling(self) -> Sampling:
+        self.check_n()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs: true")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+        return self.sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+    def specs(self, request_id: str, prompt_ids: tuple[int, ...]) -> list[RequestSpec]:
+        return _expand(self, [prompt_ids], self.chat_sampling(), request_id)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _expand(body: _Common, prompts, sampling: Sampling, request_id: str) -> list[RequestSpec]:
+    """n completions of each prompt; with a seed, completion k uses derived_seed(seed, k)
+    (completion 0 keeps it), so each call with the same body gets the same answers."""
+    from dataclasses import replace
+
+    from common.seeds import derived_seed
+
+    specs = []
+    many = len(prompts) * body.n > 1
+    for j, prompt in enumerate(prompts):
+        for k in range(body.n):
+            s = sampling if k == 0 or sampling.seed is None else \
+                replace(sampling, seed=derived_seed(sampling.seed, k))
+            index = j * body.n + k
+            rid = f"{request_id}-{index}" if request_id and many else request_id
+            text, ids = (prompt, ()) if isinstance(prompt, str) else ("", prompt)
+            specs.append(RequestSpec(request_id=rid, prompt=text, prompt_token_ids=ids,
+                                     sampling=s, priority=body.priority))
+    return specs
+
+
+Role = Literal["system", "user", "assistant", "tool"]

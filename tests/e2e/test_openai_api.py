@@ -1,0 +1,275 @@
+"""The OpenAI HTTP front door against a real stack: router, Redis and a CPU
+replica with a real engine (tiny model with a chat template), driven by the
+real `openai` SDK and by httpx for raw SSE and error bodies. Greedy text is
+checked against transformers' greedy tokens, logprobs against its logits."""
+
+import asyncio
+import json
+import signal
+import uuid
+
+import httpx
+import openai
+import pytest
+import torch
+
+from common.redis_server import free_port
+from common.tokenizer import load_tokenizer
+from tests.engine.hf_reference import hf_greedy
+from tests.support.live_stack import LiveStack
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, redis_server, tiny_model):
+    st = LiveStack(tmp_path_factory.mktemp("openai"), redis_server.url, str(tiny_model),
+                   router_args=("--http-port", str(free_port()), "--redis-prefix",
+                                f"oa{uuid.uuid4().hex[:6]}:", "--queue-limit", "64"))
+    st.http_port = int(st.router_args[1])
+    st.start_router()
+    st.start_replica("r0", "--max-num-seqs", "8")
+    yield st
+    st.stop()
+
+
+def base(st) -> str:
+    return f"http://127.0.0.1:{st.http_port}"
+
+
+@pytest.fixture
+def sdk(stack):
+    return openai.OpenAI(base_url=base(stack) + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    return load_tokenizer(str(tiny_model))
+
+
+def model_name(stack) -> str:
+    return sdk_models(stack)[0]
+
+
+def sdk_models(stack):
+    return [m.id for m in openai.OpenAI(base_url=base(stack) + "/v1", api_key="x").models.list()]
+
+
+def greedy_text(tiny_model, tok, prompt_ids, n):
+    return tok.decode(hf_greedy(str(tiny_model), [list(prompt_ids)], n)[0])
+
+
+def test_models_and_health(stack):
+    assert sdk_models(stack) == [stack.model.rsplit("/", 1)[-1]]
+    assert httpx.get(base(stack) + "/health").json() == {"status": "ok"}
+
+
+def test_completion_equals_transformers_greedy(stack, sdk, tiny_model, tok):
+    ids = tok.encode("The router and the replica")
+    out = sdk.completions.create(model=model_name(stack), prompt="The router and the replica",
+                                 max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == greedy_text(tiny_model, tok, ids, 12)
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 12)
+
+
+def test_completion_of_token_ids_and_several_prompts(stack, sdk, tiny_model, tok):
+    prompts = [[5, 17, 230], [9, 44, 61, 62]]
+    out = sdk.completions.create(model=model_name(stack), prompt=prompts, max_tokens=6,
+                                 temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1]
+    for c, p in zip(out.choices, prompts):
+        assert c.text == greedy_text(tiny_model, tok, p, 6)
+    assert out.usage.prompt_tokens == 7
+
+
+def test_chat_streaming_and_not(stack, sdk, tiny_model, tok):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)
+    expected = greedy_text(tiny_model, tok, ids, 10)
+    whole = sdk.chat.completions.create(model=model_name(stack), messages=messages, max_tokens=10,
+                                        temperature=0, extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == expected
+    assert whole.usage.prompt_tokens == len(ids)
+    stream = sdk.chat.completions.create(model=model_name(stack), messages=messages, max_tokens=10,
+                                         temperature=0, stream=True,
+                                         stream_options={"include_usage": True},
+                                         extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_raw_sse_ends_with_done(stack):
+    with httpx.stream("POST", base(stack) + "/v1/completions", timeout=30,
+                      json={"prompt": [3, 4, 5], "max_tokens": 4, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    bodies = [json.loads(e[6:]) for e in events[:-1]]
+    assert bodies[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_n_completions_share_the_prompt_and_seeds_reproduce(stack, sdk):
+    def call(seed):
+        return sdk.completions.create(model=model_name(stack), prompt=[7, 8, 9], max_tokens=8,
+                                      n=3, temperature=1.0, seed=seed,
+                                      extra_body={"ignore_eos": True})
+    a, b, c = call(11), call(11), call(12)
+    texts = [x.text for x in a.choices]
+    assert [x.index for x in a.choices] == [0, 1, 2]
+    assert texts == [x.text for x in b.choices], "the same seed must give the same answers"
+    assert len(set(texts)) > 1, "completions of one call must differ"
+    assert texts != [x.text for x in c.choices]
+    assert a.usage.prompt_tokens == 3 and a.usage.completion_tokens == 24
+
+
+def test_logprobs_against_transformers(stack, sdk, tiny_model, tok):
+    from transformers import AutoModelForCausalLM
+
+    prompt = [11, 12, 13, 14]
+    out = sdk.completions.create(model=model_name(stack), prompt=prompt, max_tokens=5,
+                                 temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    greedy = hf_greedy(str(tiny_model), [prompt], 5)[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + greedy])).logits[0, len(prompt) - 1:-1]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    for i, tok_id in enumerate(greedy):
+        assert lp.tokens[i] == tok.decode([tok_id])
+        assert abs(lp.token_logprobs[i] - ref[i, tok_id].item()) < 1e-3
+        assert len(lp.top_logprobs[i]) <= 3
+    chat = sdk.chat.completions.create(model=model_name(stack), max_tokens=3, temperature=0,
+                                       logprobs=True, top_logprobs=2,
+                                       messages=[{"role": "user", "content": "hi"}])
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+
+
+def test_stop_strings_end_the_text(stack, sdk, tiny_model, tok):
+    ids = [21, 22, 23]
+    full = greedy_text(tiny_model, tok, ids, 16)
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    assert stop.strip()
+    out = sdk.completions.create(model=model_name(stack), prompt=ids, max_tokens=16, temperature=0,
+                                 stop=[stop], extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "stop"
+    assert stop not in out.choices[0].text and full.startswith(out.choices[0].text)
+
+
+BAD = [
+    ({"model": "nope", "prompt": "x"}, 404, "does not exist"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": [1] * 2000}, 400, "leaving no room"),
+    ({"prompt": ""}, 400, "empty prompt"),
+    ({"prompt": [99999]}, 400, "vocabulary"),
+    ({"prompt": "x", "n": 0}, 400, "n 0"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"prompt": 5}, 400, "prompt must be"),
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+]
+
+
+@pytest.mark.parametrize("body, status, words", BAD, ids=[b[2] for b in BAD])
+def test_bad_input_gets_openai_errors(stack, body, status, words):
+    r = httpx.post(base(stack) + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["code"] == status and err["type"]
+
+
+def test_bad_chat_and_bad_json(stack):
+    r = httpx.post(base(stack) + "/v1/chat/completions", json={"messages": []}, timeout=30)
+    assert r.status_code == 400 and "messages is empty" in r.json()["error"]["message"]
+    r = httpx.post(base(stack) + "/v1/chat/completions", json={"messages": [{"content": "x"}]})
+    assert r.status_code == 400 and "role" in r.json()["error"]["message"]
+    r = httpx.post(base(stack) + "/v1/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_a_client_disconnect_cancels_the_request(stack):
+    async def scenario():
+        async with httpx.AsyncClient(base_url=base(stack), timeout=30) as c:
+            async with c.stream("POST", "/v1/completions", headers={"X-Request-Id": "walks-away"},
+                                json={"prompt": [4, 5], "max_tokens": 800, "stream": True,
+                                      "ignore_eos": True}) as r:
+                async for _ in r.aiter_lines():
+                    break
+        await asyncio.sleep(1.0)
+        # Re-attaching replays what it had: cancelled, far short of 800 tokens.
+        async with httpx.AsyncClient(base_url=base(stack), timeout=30) as c:
+            r = await c.post("/v1/completions", headers={"X-Request-Id": "walks-away"},
+                             json={"prompt": [4, 5], "max_tokens": 800, "ignore_eos": True})
+            return r.json()
+
+    body = asyncio.run(scenario())
+    assert body["choices"][0]["finish_reason"] == "abort"
+    assert body["usage"]["completion_tokens"] < 800
+
+
+def test_api_keys_guard_the_http_api(tmp_path, redis_url, tiny_model):
+    port = free_port()
+    st = LiveStack(tmp_path, redis_url, str(tiny_model),
+                   router_args=("--http-port", str(port), "--api-keys", "k1,k2"))
+    try:
+        st.start_router()
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+        bad = httpx.post(url + "/v1/completions", json={"prompt": "x"},
+                         headers={"Authorization": "Bearer nope"})
+        assert bad.status_code == 401 and bad.json()["error"]["message"] == "invalid API key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+        assert openai.OpenAI(base_url=url + "/v1", api_key="k2").models.list().data
+        assert httpx.get(url + "/health").status_code == 200  # probes need no key
+    finally:
+        st.stop()
+
+
+def test_reattach_by_request_id_after_a_router_sigkill(tmp_path, redis_url, tiny_model, tok):
+    port = free_port()
+    st = LiveStack(tmp_path, redis_url, str(tiny_model),
+                   router_args=("--http-port", str(port), "--lease-ttl", "20"))
+    prompt = [31, 32, 33]
+    body = {"prompt": prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    headers = {"X-Request-Id": "survives"}
+    try:
+        st.start_router()
+        st.start_replica("r0")
+        url = f"http://127.0.0.1:{port}"
+        got = []
+        with pytest.raises(httpx.HTTPError):
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers,
+                              timeout=30) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        got.append(json.loads(line[6:])["choices"][0]["text"])
+                    if len(got) == 5:
+                        st.router.proc.send_signal(signal.SIGKILL)
+        st.router.proc.wait()
+        st.start_router()
+        text, finish = "", None
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers,
+                          timeout=60) as r:
+            assert r.headers["x-request-id"] == "survives"
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["text"]
+                    finish = choice["finish_reason"] or finish
+        assert text == tok.decode(hf_greedy(str(tiny_model), [prompt], 300)[0])
+        assert text.startswith("".join(got)) and finish == "length"
+    finally:
+        st.stop()
