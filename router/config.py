@@ -49,7 +49,7 @@ class RouterConfig:
     prefix_metrics: str = "policy"     # policy: for policies that use the cache; all: every placement
     pull_affinity_window: int = 32     # oldest queued requests a Pull chooses among; 0: strict FIFO
     pull_affinity_max_wait: float = 2.0   # seconds; a request waiting longer is served first, in order
-    pull_affinity_tokens_per_s: float = 1000.0  # cached tokens one second of waiting is worth
+    pull_affinity_wait_weight: float = 1.0  # a second's wait is worth this x the puller's prefill tokens/s
     cache_aware_balance_abs: int = 8192    # outstanding tokens over the least loaded replica's ...
     cache_aware_balance_rel: float = 1.5   # ... and this many times it: go to the least loaded
 
@@ -129,8 +129,8 @@ def _affinity_problems(c: RouterConfig) -> list[str]:
         problems.append("pull_affinity_window must be 0 (off) or more")
     if not c.pull_affinity_max_wait > 0:
         problems.append("pull_affinity_max_wait must be positive")
-    if not c.pull_affinity_tokens_per_s >= 0:
-        problems.append("pull_affinity_tokens_per_s must be 0 or more")
+    if not c.pull_affinity_wait_weight >= 0:
+        problems.append("pull_affinity_wait_weight must be 0 or more")
     if c.cache_aware_balance_abs < 0 or not c.cache_aware_balance_rel >= 1:
         problems.append("cache_aware_balance_abs must be 0 or more and cache_aware_balance_rel 1 or more")
     return problems

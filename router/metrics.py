@@ -72,6 +72,10 @@ class Metrics:
                                   "Requests a Pull took: in queue order, ahead of older ones "
                                   "for their cached prefix, or past the wait bound",
                                   ["reason"], registry=r)
+        self.prefill_rate = Gauge("quadriga_replica_prefill_tokens_per_second",
+                                  "A replica's prefill speed from its prefill-heavy steps "
+                                  "(what pull affinity weighs a cached token with)",
+                                  ["replica"], registry=r)
         self._last_round_trips = 0
         self._last_evictions = 0
         # labels() takes a lock and builds a key on every call: children are cached.
@@ -79,6 +83,7 @@ class Metrics:
         self._finished: dict[int, object] = {}
         self._out: dict[str, object] = {}
         self._picks: dict[str, object] = {}
+        self._prefill_rates: dict[str, object] = {}
 
     def inflight_of(self, replica_id: str):
         child = self._inflight.get(replica_id)
@@ -90,6 +95,14 @@ class Metrics:
         """A replica left for good: its labelled series go too (bounded memory)."""
         if self._inflight.pop(replica_id, None) is not None:
             self.inflight.remove(replica_id)
+        if self._prefill_rates.pop(replica_id, None) is not None:
+            self.prefill_rate.remove(replica_id)
+
+    def prefill_rate_of(self, replica_id: str):
+        child = self._prefill_rates.get(replica_id)
+        if child is None:
+            child = self._prefill_rates[replica_id] = self.prefill_rate.labels(replica_id)
+        return child
 
     def finished_with(self, reason: int):
         child = self._finished.get(reason)

@@ -138,6 +138,8 @@ class ReplicaOps:
             self._on_kv_events(session, step.kv_events)
             if not step.deltas:
                 return  # events alone: nothing to record or acknowledge
+        if session.prefill_rate.observe(step.num_tokens, step.batch_size, step.step_time_s):
+            self.metrics.prefill_rate_of(session.id).set(session.prefill_tokens_per_s)
         diverged: list = []
         items = self.check_step(session, step, diverged)
         if diverged:

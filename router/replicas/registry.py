@@ -11,6 +11,7 @@ import grpc
 
 from common.pb.quadriga.v1 import replica_pb2 as rpb
 from router.replicas import wire
+from router.replicas.prefill_rate import PrefillRate
 
 _join_seq = itertools.count()
 OUTBOX_LIMIT = 10_000     # messages waiting to be written to one replica
@@ -33,6 +34,11 @@ class ReplicaSession:
         self.closed = False
         self.close_status: tuple[grpc.StatusCode, str] | None = None
         self.metrics = metrics
+        self.prefill_rate = PrefillRate()       # from its StepOutputs
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        return self.prefill_rate.tokens_per_s
 
     def send(self, msg: rpb.RouterMessage) -> None:
         if self.closed:

@@ -3,7 +3,8 @@ against it, asking the policy which queue each puller takes from and which of
 its requests (by default the head, in order; pull affinity chooses).
 
 One task does all assignment, woken by an event (a Pull, a confirmed
-arrival, a requeue): no timers, no busy loop. Pops go through the ordered
+arrival, a requeue), or by the one timer a policy asks for when it left
+work for another replica that becomes takeable later: no busy loop. Pops go through the ordered
 Redis writer, so a stalled Redis pauses dispatch and nothing else. The atomic
 Lua pop gives each request to exactly one replica, a named pop (the
 policy's picks) too. An Assign is sent the moment its pop returns, before
@@ -42,6 +43,7 @@ class PullScheduler:
         self._sessions: dict[str, object] = {}   # replica id -> its live session handle
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._retry: asyncio.TimerHandle | None = None
         self._pop_ids = itertools.count()
         self._pop_prefix = uuid.uuid4().hex[:12]
         self.paused = False
@@ -123,6 +125,8 @@ class PullScheduler:
     async def stop(self) -> None:
         """Stops assigning; an Assign whose pop is in flight is still sent."""
         self.paused = True
+        if self._retry is not None:
+            self._retry.cancel()
         if self._task is not None:
             self._wake.set()
             try:
@@ -170,17 +174,33 @@ class PullScheduler:
         """The pop for this Pull, and why each request it may take is taken
         (None: from the head, in order)."""
         seats = credit.seats(len(self.table.owned_by(session.id)))
-        others = [s.id for s in self._pullers() if s is not session]
-        picks = self.policy.choose(session, queue, seats, credit.token_limit, others)
+        others = [s.id for s in self.live(exclude=session.id)]
+        choice = self.policy.choose(session, queue, seats, credit.token_limit, others)
         now = time.time()
         token = f"{self._pop_prefix}:{next(self._pop_ids)}"
-        if picks is None:
+        if choice is None:
             return self.store.pop(queue, session.id, seats, credit.token_limit,
                                   now + self.lease_ttl, now, token), None
-        if not picks:
+        if choice.retry_in is not None:
+            self._retry_in(choice.retry_in)
+        if not choice.picks:
             return None, None
-        return self.store.pop_ids(queue, session.id, [r.id for r, _ in picks],
-                                  now + self.lease_ttl, now, token), {r.id: why for r, why in picks}
+        return self.store.pop_ids(queue, session.id, [r.id for r, _ in choice.picks],
+                                  now + self.lease_ttl, now, token), {r.id: why for r, why in choice.picks}
+
+    def _retry_in(self, seconds: float) -> None:
+        """One timer, the earliest asked for: a round then runs with no event."""
+        loop = asyncio.get_running_loop()
+        when = loop.time() + max(seconds, 0.001)
+        if self._retry is not None and self._retry.when() <= when:
+            return
+        if self._retry is not None:
+            self._retry.cancel()
+        self._retry = loop.call_at(when, self._retried)
+
+    def _retried(self) -> None:
+        self._retry = None
+        self.kick()
 
     async def _serve(self, session, queue: str) -> bool:
         credit = self._credit[session.id]

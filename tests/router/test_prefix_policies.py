@@ -14,6 +14,9 @@ from tests.support.router_harness import (Replicas, client, make_config, request
 
 H16 = BlockHasher(16)
 SHARED = list(range(300, 300 + 64))      # a 64-token prefix: 4 blocks
+# Waiting counts for nothing against cached tokens: the order a test sees
+# does not depend on how long its requests happened to wait.
+HITS_DECIDE = {"pull_affinity_wait_weight": 0.0}
 
 
 def with_shared(tail) -> list[int]:
@@ -81,7 +84,7 @@ def test_cache_aware_follows_the_cache_until_the_load_is_too_uneven(redis_url, t
 @pytest.mark.parametrize("window", [32, 0])
 def test_a_pull_takes_what_the_puller_holds_from_the_window(redis_url, tiny_model, arun, window):
     async def scenario():
-        cfg = make_config(redis_url, tiny_model, pull_affinity_window=window)
+        cfg = make_config(redis_url, tiny_model, pull_affinity_window=window, **HITS_DECIDE)
         async with running_router(cfg) as app:
             reps = await cached_pair(app)
             async with client(app.address) as stub:
@@ -111,7 +114,7 @@ def test_a_request_is_left_to_the_puller_holding_more_of_it(redis_url, tiny_mode
     """Both replicas have credit when it arrives; r0 pulled first, so strict
     FIFO gives it to r0, affinity to r1, which holds its prefix."""
     async def scenario():
-        cfg = make_config(redis_url, tiny_model, pull_affinity_window=window)
+        cfg = make_config(redis_url, tiny_model, pull_affinity_window=window, **HITS_DECIDE)
         async with running_router(cfg) as app:
             reps = await cached_pair(app)
             reps["r0"].pull(1)
@@ -134,7 +137,8 @@ def test_the_window_and_the_wait_bound_limit_reordering(redis_url, tiny_model, a
     """Window 3: a cached request further back is not seen; once the cold head
     has waited past the bound it is taken first, then the rest in order."""
     async def scenario():
-        cfg = make_config(redis_url, tiny_model, pull_affinity_window=3, pull_affinity_max_wait=60.0)
+        cfg = make_config(redis_url, tiny_model, pull_affinity_window=3, pull_affinity_max_wait=60.0,
+                          **HITS_DECIDE)
         async with running_router(cfg) as app:
             reps = await cached_pair(app)
             r1 = reps["r1"]
@@ -165,7 +169,7 @@ def test_the_window_and_the_wait_bound_limit_reordering(redis_url, tiny_model, a
 
 def test_affinity_keeps_priorities_and_token_credit(redis_url, tiny_model, arun):
     async def scenario():
-        async with running_router(make_config(redis_url, tiny_model)) as app:
+        async with running_router(make_config(redis_url, tiny_model, **HITS_DECIDE)) as app:
             reps = await cached_pair(app)
             r1 = reps["r1"]
             async with client(app.address) as stub:
@@ -188,6 +192,33 @@ def test_affinity_keeps_priorities_and_token_credit(redis_url, tiny_model, arun)
                 await wait_until(lambda: len(assigned_ids(r1)) == 5)
                 assert assigned_ids(r1)[3:] == ["cold", "warm_low"]
                 await asyncio.gather(*tasks)
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_work_a_busy_holder_leaves_spills_over_once_it_has_waited_its_lead(redis_url, tiny_model, arun):
+    """r1 holds the prefix but does not pull; r0 pulls once and is left waiting:
+    nothing else happens, yet a second after its arrival (64 cached tokens at
+    64 tokens a second, r0's rate unmeasured times the weight) the request goes
+    to r0, woken by the scheduler's own timer."""
+    from router.scheduling.policies.pull import UNMEASURED_PREFILL_TOKENS_PER_S
+
+    async def scenario():
+        cfg = make_config(redis_url, tiny_model, pull_affinity_max_wait=30.0,
+                          pull_affinity_wait_weight=64 / UNMEASURED_PREFILL_TOKENS_PER_S)
+        async with running_router(cfg) as app:
+            reps = await cached_pair(app)
+            async with client(app.address) as stub:
+                tasks = await submit_in_order(app, stub, [request(with_shared([5]), 4, request_id="warm")])
+                reps["r0"].pull(1)
+                await asyncio.sleep(0.2)
+                assert assigned_ids(reps["r0"]) == [], "left for r1, which holds it"
+                await wait_until(lambda: assigned_ids(reps["r0"]), timeout=10)
+                await asyncio.gather(*tasks)
+            assert assigned_ids(reps["r1"]) == []
+            assert value(app, "quadriga_prefix_hit_tokens_sum") == 0
+            assert value(app, "quadriga_prefix_best_hit_tokens_sum") == 64
             await reps.close()
 
     arun(scenario())

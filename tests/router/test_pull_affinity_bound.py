@@ -43,8 +43,8 @@ class Context:
 
 
 class Replica:
-    def __init__(self, rid):
-        self.id = rid
+    def __init__(self, rid, prefill_tokens_per_s):
+        self.id, self.prefill_tokens_per_s = rid, prefill_tokens_per_s
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -54,12 +54,12 @@ def test_pull_affinity_never_breaks_its_bound(seed, monkeypatch):
     monkeypatch.setattr(pull_policy, "time", type("Clock", (), {"time": staticmethod(lambda: now[0])}))
     index = PrefixIndex(10_000)
     prefixes = [[rng.randrange(50) for _ in range(4 * rng.randint(1, 4))] for _ in range(4)]
-    replicas = [Replica(f"r{i}") for i in range(3)]
+    replicas = [Replica(f"r{i}", rng.choice([None, 500.0, 5000.0])) for i in range(3)]
     for r in replicas:
         index.replace(r.id, H4, [h for p in rng.sample(prefixes, 2) for h in H4.hashes(p)])
     ctx = Context(PrefixMatcher(index))
     policy = make_policy("pull", ctx, PolicySettings(affinity_window=W, affinity_max_wait=MAX_WAIT,
-                                                     affinity_tokens_per_s=rng.choice([0, 5, 50])))
+                                                     affinity_wait_weight=rng.choice([0, 0.001, 0.01])))
     n = 0
     for _ in range(60):
         for _ in range(rng.randint(0, 3)):
@@ -73,8 +73,8 @@ def test_pull_affinity_never_breaks_its_bound(seed, monkeypatch):
         others = [r.id for r in rng.sample(replicas, rng.randint(0, 2)) if r is not puller]
         seats, tokens = rng.randint(1, 3), rng.choice([None, 5, 30])
         ordered = sorted(ctx.queue, key=lambda r: r.order)
-        picks = policy.choose(puller, "pending", seats, tokens, others)
-        taken = [r for r, _ in picks]
+        choice = policy.choose(puller, "pending", seats, tokens, others)
+        taken = [r for r, _ in choice.picks]
         assert len(taken) <= seats
         assert all(r in ordered[:W] for r in taken), "took from outside the window"
         if tokens is not None:

@@ -7,7 +7,8 @@ from the queue the policy names for it, never more than its outstanding
 credit allows, and asks the policy (`choose`) which requests to take; None
 takes from the head of the queue, in order, atomically in Redis.
 
-A policy sees replicas as handles with `.id`, `.join_seq` and `.capacity`,
+A policy sees replicas as handles with `.id`, `.join_seq`, `.capacity` and
+`.prefill_tokens_per_s` (measured; None before any prefill-heavy step),
 requests as `Work` (router/prefix/matcher.py: a cost and the context tokens),
 and reads load, queues and the replicas' caches through the context it is
 given; it owns no request state.
@@ -28,6 +29,7 @@ def replica_queue(replica_id: str) -> str:
 class ReplicaHandle(Protocol):
     id: str
     join_seq: int
+    prefill_tokens_per_s: float | None
 
 
 class PolicyContext(Protocol):
@@ -42,13 +44,13 @@ class PolicySettings:
 
     affinity_window: int = 32          # pull: oldest queued requests a Pull chooses among; 0: FIFO
     affinity_max_wait: float = 2.0     # pull: seconds after which a request is served first, in order
-    affinity_tokens_per_s: float = 1000.0   # pull: cached tokens one second of waiting is worth
+    affinity_wait_weight: float = 1.0  # pull: a second's wait is worth this x the puller's prefill tokens/s
     balance_abs: int = 8192            # cache_aware: outstanding tokens over the least loaded ...
     balance_rel: float = 1.5           # ... and this many times its load: least loaded instead
 
     @classmethod
     def from_config(cls, c) -> "PolicySettings":
-        return cls(c.pull_affinity_window, c.pull_affinity_max_wait, c.pull_affinity_tokens_per_s,
+        return cls(c.pull_affinity_window, c.pull_affinity_max_wait, c.pull_affinity_wait_weight,
                    c.cache_aware_balance_abs, c.cache_aware_balance_rel)
 
 
@@ -71,6 +73,16 @@ class Arrival:
 FIFO, AFFINITY, OVERDUE = "fifo", "affinity", "overdue"
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What a Pull takes: (request, why) in the order to take them. retry_in:
+    seconds until a request left for another replica may be taken here; the
+    scheduler asks again then, as no message may come to wake it (None: no need)."""
+
+    picks: list
+    retry_in: float | None = None
+
+
 class Policy:
     name = "base"
     # True: each request is bound to one replica's own queue at arrival.
@@ -91,10 +103,10 @@ class Policy:
         return replica_queue(replica.id) if self.per_replica_queues else PENDING
 
     def choose(self, replica: ReplicaHandle, queue: str, seats: int, token_limit: int | None,
-               others: Sequence[str]) -> list[tuple[object, str]] | None:
-        """What a Pull of `replica` takes from `queue`: (request, why) in the order
-        to take them, within `seats` and the token credit (the last may overrun
-        it); `others` are the other replicas pulling now. None: from the head."""
+               others: Sequence[str]) -> Choice | None:
+        """What a Pull of `replica` takes from `queue`, within `seats` and the token
+        credit (the last may overrun it); `others` are the other live replicas.
+        None: from the head."""
         return None
 
     # No-op hooks; a policy overrides the ones it needs.
