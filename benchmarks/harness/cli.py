@@ -104,6 +104,7 @@ def add_slo_args(p):
     g.add_argument("--tbt-slo-stat", default="p99", choices=("p99", "max", "mean"),
                    help="per-request TBT statistic for goodput")
     g.add_argument("--sched-delay-slo", type=float, default=2.0, help="capacity: p50 scheduling delay bound")
+    g.add_argument("--ttft-p99-slo", type=float, help="capacity: p99 TTFT bound too (seconds)")
 
 
 def add_hw_args(p):
@@ -155,7 +156,7 @@ def parse_args(argv=None):
     f.add_argument("--replica-arg", action="append", default=[])
     d = sub.add_parser("model-dir", help="config-only model folder of a known shape")
     d.add_argument("out")
-    d.add_argument("--shape", default="llama-3.1-8b", choices=("llama-3.1-8b",))
+    d.add_argument("--shape", default="llama-3.1-8b", choices=tuple(MODEL_SHAPES))
     k = sub.add_parser("plot-capacity", help="capacity searches' JSONs overlaid in one PNG")
     k.add_argument("results", nargs="+", help="capacity JSONs; LABEL=PATH names a line (default: the file name)")
     k.add_argument("--out", required=True, help="the PNG to write")
@@ -216,7 +217,7 @@ def spec_from(a, model: str | None) -> WorkloadSpec:
 
 
 def slo_from(a) -> M.SLO:
-    return M.SLO(a.ttft_slo, a.tbt_slo, a.tbt_slo_stat, a.sched_delay_slo)
+    return M.SLO(a.ttft_slo, a.tbt_slo, a.tbt_slo_stat, a.sched_delay_slo, a.ttft_p99_slo)
 
 
 def _replica_flag(args: list[str], flag: str) -> str | None:
@@ -381,14 +382,16 @@ def find_capacity(a, target: Target, model, spec: WorkloadSpec, slo: M.SLO, out_
                   num_requests: int | None = None, on_probe=None) -> dict:
     """on_probe(partial result) after every probe: a search cut short still leaves its probes."""
     probes = []
-    rule = {"tbt_p99_s": slo.tbt_s, "sched_delay_p50_s": slo.sched_delay_p50_s, "keep_up": cap.KEEP_UP}
+    rule = {"tbt_p99_s": slo.tbt_s, "sched_delay_p50_s": slo.sched_delay_p50_s, "keep_up": cap.KEEP_UP,
+            "ttft_p99_s": slo.ttft_p99_s}
 
     def probe(rate: float) -> bool:
         sp = WorkloadSpec(**{**spec.describe(), "num_requests": num_requests or spec.num_requests})
         reqs = generate(sp, rate=rate)
         stem = f"{a.name}-probe-{rate:.3f}"
         summary, _ = measured(target, a, model, reqs, f"probe {rate:.2f} req/s", slo, out_dir, stem)
-        ok, why = cap.probe_passes(summary, slo.tbt_s, slo.sched_delay_p50_s, offered_rate=rate)
+        ok, why = cap.probe_passes(summary, slo.tbt_s, slo.sched_delay_p50_s, offered_rate=rate,
+                                   ttft_p99_s=slo.ttft_p99_s)
         log(f"  probe {rate:.3f} req/s: {'PASS' if ok else 'fail'} ({why})")
         probes.append({"rate": rate, "passed": ok, "why": why, "summary": summary})
         if on_probe:
@@ -514,8 +517,26 @@ def cmd_roofline(a) -> int:
     return 0
 
 
+# Config-only model shapes (the replica loads --load-format dummy). cpu-small is a
+# CPU shape whose prefill costs what a served model's does relative to a decode
+# step (a 768-token prefill ~12 batch-8 decode steps, as 4096 tokens are for the 8B
+# on an H200), unlike the tiny test model, whose steps are mostly fixed overhead.
+MODEL_SHAPES = {
+    "llama-3.1-8b": dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+        rope_theta=500000.0, torch_dtype="bfloat16",
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "cpu-small": dict(
+        vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+        rope_theta=10000.0, torch_dtype="float32"),
+}
+
+
 def cmd_model_dir(a) -> int:
-    """Llama-3.1-8B's config with the tiny model's tokenizer: the replica loads dummy
+    """A model's config with the tiny model's tokenizer: the replica loads dummy
     weights (--load-format dummy) and prompts are token ids, so no download is needed."""
     import shutil
 
@@ -525,14 +546,8 @@ def cmd_model_dir(a) -> int:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-        rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        rms_norm_eps=1e-5, torch_dtype="bfloat16",
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    ).save_pretrained(str(out))
+    transformers.LlamaConfig(tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5,
+                             **MODEL_SHAPES[a.shape]).save_pretrained(str(out))
     tiny = Path(default_model())
     for f in tiny.iterdir():
         if "token" in f.name or f.name == "special_tokens_map.json":

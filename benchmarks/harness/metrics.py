@@ -15,6 +15,7 @@ class SLO:
     tbt_s: float = 0.1
     tbt_stat: str = "p99"          # which per-request TBT statistic must meet tbt_s: p99 | max | mean
     sched_delay_p50_s: float = 2.0  # capacity: median scheduling delay bound (Sarathi-Serve)
+    ttft_p99_s: float | None = None  # capacity: p99 TTFT bound too, when set
 
 
 def request_tbt_stat(tbts: list[float], stat: str) -> float:

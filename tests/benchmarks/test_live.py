@@ -58,7 +58,7 @@ def test_harness_live_capacity_search(tmp_path):
     result = _harness(tmp_path, "capacity", "--initial-rate", "2", "--max-probes", "2", "-n", "6",
                       "--tbt-slo", "5")
     assert result["complete"] is True and len(result["probes"]) == 2
-    assert result["rule"] == {"tbt_p99_s": 5.0, "sched_delay_p50_s": 2.0, "keep_up": 0.9}
+    assert result["rule"] == {"tbt_p99_s": 5.0, "sched_delay_p50_s": 2.0, "keep_up": 0.9, "ttft_p99_s": None}
     assert result["probes"][0]["passed"] and result["capacity_req_s"] >= 2
     assert all(p["summary"]["offered_req_s"] and p["summary"]["admitted_req_s"] for p in result["probes"])
     assert (tmp_path / "capacity-capacity.png").stat().st_size > 0
