@@ -6,7 +6,8 @@ compare   policies x loads (fractions of a capacity, or absolute rates), CDFs ov
 roofline  hardware limit of a model shape and workload
 model-dir write a config-only model folder of a known shape (dummy weights on the replica)
 plot-capacity  capacity searches' JSONs overlaid in one PNG, probe by probe
-repeats   repeated compare runs gathered: median and range per label and policy
+repeats   repeated compare runs and capacity searches gathered: median and range per label and policy
+prefix-report  the cache-affine targets, per seed, over benchmarks/prefix_affinity_cpu.sh's runs
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from benchmarks.common import RESULTS
 from benchmarks.harness import capacity as cap
 from benchmarks.harness import metrics as M
-from benchmarks.harness import plots, prefix_stats, repeats, roofline
+from benchmarks.harness import plots, prefix_report, prefix_stats, repeats, roofline
 from benchmarks.harness.loadgen import run_requests
 from benchmarks.harness.prefix_workloads import reusable_tokens
 from benchmarks.harness.stack import Stack
@@ -161,10 +162,13 @@ def parse_args(argv=None):
     k.add_argument("results", nargs="+", help="capacity JSONs; LABEL=PATH names a line (default: the file name)")
     k.add_argument("--out", required=True, help="the PNG to write")
     k.add_argument("--title", default="")
-    e = sub.add_parser("repeats", help="repeated compare runs: median and range")
-    e.add_argument("results", nargs="+", help="compare JSONs; LABEL=PATH groups them (cache on/off)")
+    e = sub.add_parser("repeats", help="repeated compare runs and capacity searches: median and range")
+    e.add_argument("results", nargs="+", help="compare or capacity JSONs; LABEL=PATH groups them")
     e.add_argument("--out", required=True, help="path stem of the JSON, CSV and PNGs")
     e.add_argument("--title", default="")
+    t = sub.add_parser("prefix-report", help="cache-affine targets over a folder of runs")
+    t.add_argument("runs", help="the runs folder (WL_cap_POLICY_cacheon_seedK.json, WL_70pct_seedK.json)")
+    t.add_argument("--out", required=True, help="the report JSON")
     return p.parse_args(argv)
 
 
@@ -594,4 +598,5 @@ def main(argv=None) -> int:
     return {"run": cmd_run, "capacity": cmd_capacity, "compare": cmd_compare,
             "roofline": cmd_roofline, "model-dir": cmd_model_dir,
             "plot-capacity": cmd_plot_capacity,
-            "repeats": lambda a: repeats.main(a.out, a.results, a.title)}[a.cmd](a)
+            "repeats": lambda a: repeats.main(a.out, a.results, a.title),
+            "prefix-report": lambda a: prefix_report.main(a.runs, a.out)}[a.cmd](a)

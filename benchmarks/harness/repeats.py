@@ -1,10 +1,11 @@
-"""python -m benchmarks repeats --out DIR/NAME LABEL=COMPARE.json ...
+"""python -m benchmarks repeats --out DIR/NAME LABEL=RUN.json ...
 
-Gathers repeated `compare` runs (same load, other seeds) into one table: for
-every label (say, the engine cache on or off) and policy, the median of each
-figure over the repeats and its range (min, max), as JSON, CSV and bar plots
-with the range drawn. On a small shared machine one run says little; the
-spread of a few says how much.
+Gathers repeated `compare` runs (same load, other seeds) and `capacity`
+searches (their capacity_req_s, under the policy searched) into one table:
+for every label (say, the engine cache on or off) and policy, the median of
+each figure over the repeats and its range (min, max), as JSON, CSV and bar
+plots with the range drawn. On a small shared machine one run says little;
+the spread of a few says how much.
 """
 
 from __future__ import annotations
@@ -16,8 +17,19 @@ from pathlib import Path
 
 from benchmarks.harness import plots
 
-FIGURES = ("ttft_p50_s", "ttft_p99_s", "tbt_p99_s", "throughput_req_s", "engine_hit_rate",
-           "router_hit_rate", "oracle_hit_rate")
+FIGURES = ("capacity_req_s", "ttft_p50_s", "ttft_p99_s", "tbt_p99_s", "throughput_req_s",
+           "engine_hit_rate", "router_hit_rate", "oracle_hit_rate")
+
+
+def rows_of(result: dict, path: str):
+    """(policy, {figure: value}) of a compare result (each load's rows) or a capacity search."""
+    if result.get("kind") == "compare":
+        for by_policy in result["table"].values():
+            yield from by_policy.items()
+    elif result.get("kind") == "capacity":
+        yield result["target"]["policy"], {"capacity_req_s": result["capacity_req_s"]}
+    else:
+        raise SystemExit(f"{path} is neither a compare nor a capacity result")
 
 
 def gather(inputs: list[str]) -> dict[str, dict[str, dict[str, list[float]]]]:
@@ -25,15 +37,11 @@ def gather(inputs: list[str]) -> dict[str, dict[str, dict[str, list[float]]]]:
     out: dict = {}
     for item in inputs:
         label, _, path = item.partition("=") if "=" in item else ("", "", item)
-        result = json.loads(Path(path).read_text())
-        if result.get("kind") != "compare":
-            raise SystemExit(f"{path} is not a compare result")
-        for _load, by_policy in result["table"].items():
-            for policy, row in by_policy.items():
-                figures = out.setdefault(label or "all", {}).setdefault(policy, {})
-                for f in FIGURES:
-                    if row.get(f) is not None:
-                        figures.setdefault(f, []).append(row[f])
+        for policy, row in rows_of(json.loads(Path(path).read_text()), path):
+            figures = out.setdefault(label or "all", {}).setdefault(policy, {})
+            for f in FIGURES:
+                if row.get(f) is not None:
+                    figures.setdefault(f, []).append(row[f])
     return out
 
 
@@ -61,8 +69,8 @@ def main(out: str, inputs: list[str], title: str = "") -> int:
                     s = figs.get(x)
                     cells += [f"{s[k]:.4f}" if s else "" for k in ("median", "min", "max")]
                 w.writerow([label, policy, n, *cells])
-    for figure, ylabel in (("ttft_p50_s", "TTFT p50 (s)"), ("ttft_p99_s", "TTFT p99 (s)"),
-                           ("engine_hit_rate", "engine prefix hit rate")):
+    for figure, ylabel in (("capacity_req_s", "capacity (req/s)"), ("ttft_p50_s", "TTFT p50 (s)"),
+                           ("ttft_p99_s", "TTFT p99 (s)"), ("engine_hit_rate", "engine prefix hit rate")):
         rows, spread = [], []
         for label, by in table.items():
             rows.append((label, {p: figs[figure]["median"] for p, figs in by.items() if figure in figs}))
@@ -76,5 +84,5 @@ def main(out: str, inputs: list[str], title: str = "") -> int:
         for policy, figs in by.items():
             print(f"{label:>10} {policy:<18} " + "  ".join(
                 f"{x} {figs[x]['median']:.3f} [{figs[x]['min']:.3f}, {figs[x]['max']:.3f}]"
-                for x in ("ttft_p50_s", "ttft_p99_s", "engine_hit_rate") if x in figs))
+                for x in ("capacity_req_s", "ttft_p50_s", "ttft_p99_s", "engine_hit_rate") if x in figs))
     return 0

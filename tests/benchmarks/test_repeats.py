@@ -3,6 +3,8 @@
 import csv
 import json
 
+import pytest
+
 from benchmarks.harness import repeats
 
 
@@ -29,3 +31,23 @@ def test_repeats_gives_median_and_range_per_label_and_policy(tmp_path):
     for png in ("ttft-p50", "engine-hit-rate"):
         assert (tmp_path / f"out-{png}.png").stat().st_size > 0
     assert not (tmp_path / "out-ttft-p99.png").exists(), "no run had it: no plot"
+
+
+def test_capacity_searches_gather_beside_compare_runs(tmp_path):
+    def capacity_json(name, policy, capacity):
+        path = tmp_path / name
+        path.write_text(json.dumps({"kind": "capacity", "target": {"policy": policy},
+                                    "capacity_req_s": capacity}))
+        return str(path)
+
+    inputs = [f"on={capacity_json('a.json', 'pull', 12.0)}", f"on={capacity_json('b.json', 'pull', 10.0)}",
+              f"on={capacity_json('c.json', 'round_robin', 5.0)}",
+              f"on={compare_json(tmp_path / 'd.json', {'pull': {'ttft_p50_s': 0.1}})}"]
+    assert repeats.main(str(tmp_path / "out"), inputs) == 0
+    table = json.loads((tmp_path / "out.json").read_text())["table"]["on"]
+    assert table["pull"]["capacity_req_s"]["median"] == 11.0 and table["pull"]["ttft_p50_s"]["n"] == 1
+    assert table["round_robin"]["capacity_req_s"]["values"] == [5.0]
+    assert (tmp_path / "out-capacity-req.png").stat().st_size > 0
+    (tmp_path / "bad.json").write_text(json.dumps({"kind": "run"}))
+    with pytest.raises(SystemExit):
+        repeats.main(str(tmp_path / "out2"), [str(tmp_path / "bad.json")])
