@@ -36,27 +36,35 @@ search=(--growth 1.5 --max-probes 5 --rel-tol 0.1)
 # 8 groups x 768-token system prompt (384 blocks), 16 questions each: 128 requests
 shared=(--workload shared-prefix --groups 8 --questions 16 --system-len 768 --prompt-dist uniform
         --prompt-min 16 --prompt-max 64 --output-len 16 --initial-rate 8)
-# 24 conversations x 4 turns after a 256-token system prompt; rates are conversations/s
-chat=(--workload multi-turn --conversations 24 --turns 4 --system-len 256 --prompt-dist uniform
-      --prompt-min 64 --prompt-max 192 --output-len 32 --initial-rate 1.5)
+# 64 conversations x 4 turns after a 256-token system prompt; rates are conversations/s
+# (enough conversations that their start rate, not their number, sets the load)
+chat=(--workload multi-turn --conversations 64 --turns 4 --system-len 256 --prompt-dist uniform
+      --prompt-min 64 --prompt-max 192 --output-len 32 --initial-rate 3)
 bench() { flock /tmp/quadriga-bench.lock "$PY" -m benchmarks "$@"; }
+# A run whose JSON is there and complete is not run again: the script can be resumed.
+done_already() {
+  [ -f "$OUT/runs/$1.json" ] && "$PY" -c "import json, sys; sys.exit(json.load(open('$OUT/runs/$1.json')).get('complete') is False)"
+}
 mkdir -p "$OUT/runs"
 for seed in $SEEDS; do
   for wl in $WORKLOADS; do
     declare -n shape=$wl
     for policy in $CAPACITY_POLICIES; do
-      bench capacity "${common[@]}" "${shape[@]}" "${search[@]}" --policy "$policy" --seed "$seed" \
-        --name "${wl}_cap_${policy}_cacheon_seed${seed}" --summary-dir "$OUT/runs"
+      name=${wl}_cap_${policy}_cacheon_seed${seed}
+      done_already "$name" || bench capacity "${common[@]}" "${shape[@]}" "${search[@]}" --policy "$policy" \
+        --seed "$seed" --name "$name" --summary-dir "$OUT/runs"
     done
-    bench capacity "${common[@]}" "${shape[@]}" "${search[@]}" --policy pull --seed "$seed" \
-      --replica-arg=--no-prefix-caching --name "${wl}_cap_pull_cacheoff_seed${seed}" --summary-dir "$OUT/runs"
+    name=${wl}_cap_pull_cacheoff_seed${seed}
+    done_already "$name" || bench capacity "${common[@]}" "${shape[@]}" "${search[@]}" --policy pull \
+      --seed "$seed" --replica-arg=--no-prefix-caching --name "$name" --summary-dir "$OUT/runs"
     fifo=$("$PY" -c "import json; print(json.load(open('$OUT/runs/${wl}_cap_pull_fifo_cacheon_seed${seed}.json'))['capacity_req_s'] or '')")
     if [ -n "$fifo" ]; then
-      bench compare "${common[@]}" "${shape[@]}" --policies $POLICIES --capacity "$fifo" --loads 0.7 \
-        --seed "$seed" --name "${wl}_70pct_seed${seed}" --summary-dir "$OUT/runs"
-      bench compare "${common[@]}" "${shape[@]}" --policies pull --capacity "$fifo" --loads 0.7 \
-        --replica-arg=--no-prefix-caching --seed "$seed" --name "${wl}_70pct_cacheoff_seed${seed}" \
-        --summary-dir "$OUT/runs"
+      name=${wl}_70pct_seed${seed}
+      done_already "$name" || bench compare "${common[@]}" "${shape[@]}" --policies $POLICIES --capacity "$fifo" \
+        --loads 0.7 --seed "$seed" --name "$name" --summary-dir "$OUT/runs"
+      name=${wl}_70pct_cacheoff_seed${seed}
+      done_already "$name" || bench compare "${common[@]}" "${shape[@]}" --policies pull --capacity "$fifo" \
+        --loads 0.7 --replica-arg=--no-prefix-caching --seed "$seed" --name "$name" --summary-dir "$OUT/runs"
     fi
     rm -f "$OUT"/runs/*.png
     unset -n shape
