@@ -27,19 +27,17 @@ import asyncio
 import json
 import os
 import random
-import re
 import shlex
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
-
-from common.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.router.local_router import LocalRouter, cpu_seconds, project_env, scrape  # noqa: E402
 
 DEFINITIONS = {
     "router_added": "router accepted -> finished (RequestTimings.end_to_end_s) with a zero-time "
@@ -63,24 +61,9 @@ def pct(values, q):
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^(quadriga_\w+?)(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
-        if m:
-            totals[m.group(1)] = totals.get(m.group(1), 0.0) + float(m.group(2))
-    return totals
-
-
 def redis_calls(r) -> int:
     stats = r.info("commandstats")
     return sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info",))
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- load generator (runs in its own process: --client) ----
@@ -155,11 +138,6 @@ def client_main(args) -> int:
 
 # ---- orchestration ----
 
-def start(cmd, log):
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", type=float, nargs="+", default=[100, 250, 500, 750, 1000])
@@ -179,42 +157,12 @@ def main() -> int:
 
     import redis
 
-    from common.redis_server import RedisServer
-    from common.tiny_model import build_tiny_model
-
     work = Path(tempfile.mkdtemp(prefix="router-bench-"))
-    model = build_tiny_model(work / "model")
-    redis_srv = RedisServer(work / "redis")
-    redis_srv.start()
-    port, mport = free_port(), free_port()
-    log = open(work / "procs.log", "w")
     py = sys.executable
-    router = start([py, "-m", "router", "--port", str(port), "--host", "127.0.0.1",
-                    "--redis-url", redis_srv.url, "--model", str(model), "--metrics-port", str(mport),
-                    "--heartbeat-interval", "0.5", "--queue-limit", "100000",
-                    "--log-level", "WARNING"], log)
-    procs = [router]
-    address = f"127.0.0.1:{port}"
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    try:
-        time.sleep(0.5)
-        for i in range(args.replicas):
-            procs.append(start([py, "-m", "tests.support.scripted_replica", "--router", address,
-                                "--id", f"bench{i}", "--vocab", str(vocab), "--capacity", "256",
-                                "--reconnect"], log))
-        deadline = time.time() + 60
-        while True:
-            try:
-                if scrape(mport).get("quadriga_replicas_connected", 0) >= args.replicas:
-                    break
-            except OSError:
-                pass
-            if any(proc.poll() is not None for proc in procs):
-                raise SystemExit(f"a process exited early ({[q.poll() for q in procs]}); see {work}/procs.log")
-            if time.time() > deadline:
-                raise SystemExit(f"router/replicas did not come up; see {work}/procs.log")
-            time.sleep(0.2)
-        r = redis.Redis.from_url(redis_srv.url)
+    with LocalRouter(work, replicas=args.replicas,
+                     router_args=["--heartbeat-interval", "0.5"]) as lr:
+        router, address, mport, vocab = lr.router, lr.grpc_address, lr.metrics_port, lr.vocab
+        r = redis.Redis.from_url(lr.redis_url)
         rows = []
         for rate in args.rates:
             time.sleep(1.1)  # the router publishes its round-trip counter each heartbeat
@@ -230,7 +178,7 @@ def main() -> int:
             out = subprocess.run([py, "-m", "benchmarks.router.overhead", "--client", address,
                                   "--rate", str(rate), "--duration", str(args.duration),
                                   "--vocab", str(vocab)], cwd=ROOT, capture_output=True, text=True,
-                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                 env=project_env())
             wall = time.perf_counter() - t0
             if out.returncode != 0:
                 raise SystemExit(f"load generator failed:\n{out.stderr}")
@@ -275,12 +223,6 @@ def main() -> int:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
             print("wrote", args.out)
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-        redis_srv.stop()
-        log.close()
     return 0
 
 
