@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -233,13 +234,20 @@ def measure_all(t: Targets, wrk: str) -> list[dict]:
     return raw
 
 
-def profile(t: Targets, wrk: str) -> dict:
+def find_py_spy() -> str:
+    beside = Path(sys.executable).parent / "py-spy"
+    found = str(beside) if beside.exists() else shutil.which("py-spy")
+    if found is None:
+        raise SystemExit("no py-spy beside this interpreter or on PATH (pip install py-spy)")
+    return found
+
+
+def profile(t: Targets, wrk: str, spy_bin: str) -> dict:
     """py-spy on Quadriga's router while wrk drives its HTTP door at the highest
     concurrency; a separate phase, so sampling never touches a measurement."""
     a = t.args
     out_dir = Path(a.profile_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    spy_bin = str(Path(sys.executable).parent / "py-spy")
     result = {}
     for n in a.max_tokens:
         c = max(a.concurrency)
@@ -261,13 +269,14 @@ def profile(t: Targets, wrk: str) -> dict:
 def main(argv=None) -> int:
     a = parse_args(argv)
     wrk = find_wrk(a.wrk)
+    spy_bin = find_py_spy() if a.profile_dir else None
     work = Path(tempfile.mkdtemp(prefix="router-peers-"))
     load_before = os.getloadavg()
     with Targets(a, work) as t:
         for name, why in t.failed.items():
             print(f"{name}: not measured: {why}", file=sys.stderr)
         raw = measure_all(t, wrk)
-        prof = profile(t, wrk) if a.profile_dir and "quadriga-http" in t.urls else None
+        prof = profile(t, wrk, spy_bin) if a.profile_dir and "quadriga-http" in t.urls else None
         env = environment(a, wrk_version(wrk), t.peer_env, load_before, os.getloadavg())
         failed = dict(t.failed)
     summary, checks = summarize(raw)
