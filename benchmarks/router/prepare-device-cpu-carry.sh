@@ -24,5 +24,6 @@ tar -C "$work/unpacked" -cf - site | xz -T0 -6 > "$dir/peers.tar.xz"
 if git -C "$root" rev-parse --verify -q "$base^{commit}" >/dev/null; then
   rm -rf "$root/.baseline"; mkdir "$root/.baseline"
   git -C "$root" archive "$base" | tar -x -C "$root/.baseline" --exclude='benchmarks/results' --exclude='*.png'
+  git -C "$root" rev-parse "$base^{commit}" > "$root/.baseline/COMMIT"
 fi
 du -sh "$dir" "$root/.baseline" 2>/dev/null
