@@ -34,7 +34,7 @@ from router.persistence.writer import RedisWriter
 from router.prefix.index import PrefixIndex
 from router.prefix.matcher import PrefixMatcher
 from router.recovery import Reaper, recover
-from router.replicas.gateway import ReplicaGateway
+from router.replicas.gateway import CONNECT_METHOD, ReplicaGateway
 from router.replicas.ops import ReplicaOps
 from router.replicas.registry import Registry
 from router.requests.table import RequestTable
@@ -107,7 +107,7 @@ class RouterApp:
         await recover(self.table, self.store, self.writer, self.config.lease_ttl)
         self.scheduler.start()
         keys = self.config.api_key_set
-        interceptors = [MalformedInterceptor(frozenset({GENERATE_METHOD}))]
+        interceptors = [MalformedInterceptor(frozenset({GENERATE_METHOD, CONNECT_METHOD}))]
         if keys:
             interceptors.insert(0, ApiKeyInterceptor(keys))
         self.server = grpc.aio.server(
