@@ -116,6 +116,6 @@ def test_the_router_sees_the_engine_cache_through_evictions_and_a_restart(redis_
             await wait_until(lambda: app.registry.get("w0") is not None, timeout=30)
             assert app.prefix_index.hashes_of("w0") == set(engine.cached_block_hashes()) == cached
             worker.begin_drain()
-            await asyncio.wait_for(task, 10)
+            await asyncio.wait_for(task, 30)
 
     arun(scenario(), timeout=120)
