@@ -31,11 +31,14 @@ from router.malformed import MalformedInterceptor
 from router.metrics import Metrics
 from router.persistence.store import Store
 from router.persistence.writer import RedisWriter
+from router.prefix.index import PrefixIndex
+from router.prefix.matcher import PrefixMatcher
 from router.recovery import Reaper, recover
 from router.replicas.gateway import CONNECT_METHOD, ReplicaGateway
 from router.replicas.ops import ReplicaOps
 from router.replicas.registry import Registry
 from router.requests.table import RequestTable
+from router.scheduling.policies import PolicySettings
 from router.scheduling.pull import PullScheduler
 from router.validation import ModelLimits
 
@@ -64,10 +67,13 @@ class RouterApp:
         self.table = RequestTable(self.store, self.writer, self.metrics, lease_ttl=config.lease_ttl,
                                   max_requeues=config.max_requeues)
         self.registry = Registry()
+        self.prefix_index = PrefixIndex(config.prefix_index_max_entries)
+        prefix = PrefixMatcher(self.prefix_index, self.metrics, config.prefix_metrics == "all")
         self.scheduler = PullScheduler(self.table, self.store, self.writer, config.policy,
-                                       config.lease_ttl)
+                                       config.lease_ttl, prefix, PolicySettings.from_config(config),
+                                       self.metrics)
         self.ops = ReplicaOps(self.table, self.scheduler, self.registry, self.metrics,
-                              self.limits.vocab_size, config.lease_ttl)
+                              self.limits.vocab_size, config.lease_ttl, self.prefix_index)
         self.admission = Admission(config, self.limits, self.table, self.scheduler, self.registry,
                                    self.writer, self.store, self.metrics)
         self.reaper = Reaper(self.table, self.ops, self.registry, self.writer, self.store,

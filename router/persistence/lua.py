@@ -56,21 +56,39 @@ return out
 SUBMIT_ITEM_ARGS = 12
 SUBMIT_REPLY_ITEMS = 3
 
-# Atomic peek-check-pop. KEYS: queue zset, inflight zset.
-# ARGV: prefix, replica, max_requests, max_prompt_tokens (-1: no limit),
-#       lease expiry, now, pop token
+# What both pops share. KEYS: queue zset, inflight zset.
+# ARGV: prefix, replica, lease expiry, now, pop token, then each pop's own.
+# A pop that ran before (same token) returns what it took then.
+_POP_PRELUDE = """
+local prefix, replica = ARGV[1], ARGV[2]
+local done = prefix .. 'pop:' .. ARGV[5]
+if redis.call('EXISTS', done) == 1 then return redis.call('LRANGE', done, 0, -1) end
+local taken = {}
+local function lease(h, id, member)
+  redis.call('ZREM', KEYS[1], member)
+  redis.call('ZADD', KEYS[2], ARGV[3], id)
+  redis.call('HSET', h, 'st', 'r', 'o', replica, 'q', '', 'asg', ARGV[4])
+  redis.call('HINCRBY', h, 'n', 1)
+  taken[#taken + 1] = id
+end
+local function recorded()
+  if #taken > 0 then
+    redis.call('RPUSH', done, unpack(taken))
+    redis.call('EXPIRE', done, 300)
+  end
+  return taken
+end
+"""
+
+# Atomic peek-check-pop. ARGV after the prelude's: max_requests,
+# max_prompt_tokens (-1: no limit).
 # Takes from the head while token credit is left (head-of-line: arrival order
 # holds). The last request taken may overrun the credit: a replica grants tokens
 # for the prefill it can start soon, and a prompt longer than that must still
 # start on a replica with room. Cost = prompt + output so far (recomputed).
-# A pop that ran before (same token) returns what it took then.
-POP = """
-local prefix, replica = ARGV[1], ARGV[2]
-local n, budget = tonumber(ARGV[3]), tonumber(ARGV[4])
-local done = prefix .. 'pop:' .. ARGV[7]
-if redis.call('EXISTS', done) == 1 then return redis.call('LRANGE', done, 0, -1) end
+POP = _POP_PRELUDE + """
+local n, budget = tonumber(ARGV[6]), tonumber(ARGV[7])
 local limited = budget >= 0
-local taken = {}
 if n <= 0 then return taken end
 local heads = redis.call('ZRANGE', KEYS[1], 0, n - 1)
 for _, m in ipairs(heads) do
@@ -83,18 +101,24 @@ for _, m in ipairs(heads) do
     local cost = tonumber(redis.call('HGET', h, 'pl'))
       + math.floor(redis.call('STRLEN', prefix .. 'out:' .. id) / 4)
     budget = budget - cost
-    redis.call('ZREM', KEYS[1], m)
-    redis.call('ZADD', KEYS[2], ARGV[5], id)
-    redis.call('HSET', h, 'st', 'r', 'o', replica, 'q', '', 'asg', ARGV[6])
-    redis.call('HINCRBY', h, 'n', 1)
-    taken[#taken + 1] = id
+    lease(h, id, m)
   end
 end
-if #taken > 0 then
-  redis.call('RPUSH', done, unpack(taken))
-  redis.call('EXPIRE', done, 300)
+return recorded()
+"""
+
+# Named pop: the requests a policy chose (pull affinity), those still queued in
+# that queue, leased as POP does, in the order given. ARGV after the prelude's:
+# queue name, then the ids. Credit is the router's to check (it chose within it).
+POP_IDS = _POP_PRELUDE + """
+local qname = ARGV[6]
+for i = 7, #ARGV do
+  local id = ARGV[i]
+  local h = prefix .. 'req:' .. id
+  local st, q, m = unpack(redis.call('HMGET', h, 'st', 'q', 'm'))
+  if st == 'q' and q == qname then lease(h, id, m) end
 end
-return taken
+return recorded()
 """
 
 # Back to the FRONT of a queue: same score and member as at arrival.

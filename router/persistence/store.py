@@ -103,6 +103,7 @@ class Store:
                               tls=issubclass(pool.connection_class, aioredis.SSLConnection))
         self._submit = self.lean.script(lua.SUBMIT)
         self._pop = self.lean.script(lua.POP)
+        self._pop_ids = self.lean.script(lua.POP_IDS)
         self._step = self.lean.script(lua.STEP)
         self._requeue = self.lean.script(lua.REQUEUE)
         self._move = self.lean.script(lua.MOVE)
@@ -154,7 +155,14 @@ class Store:
         """Takes from the head while token credit is left (None: no token limit)."""
         tokens = -1 if max_prompt_tokens is None else max(0, max_prompt_tokens)
         return Write(self._pop, (self.queue_key(queue), self.inflight_key, self.prefix, replica,
-                                 max_requests, tokens, repr(lease_expiry), repr(now), token),
+                                 repr(lease_expiry), repr(now), token, max_requests, tokens),
+                     reply_arity=-1, numkeys=2)
+
+    def pop_ids(self, queue: str, replica: str, ids: list[str], lease_expiry: float, now: float,
+                token: str) -> Write:
+        """Takes these requests, those still queued in `queue`, in this order."""
+        return Write(self._pop_ids, (self.queue_key(queue), self.inflight_key, self.prefix, replica,
+                                     repr(lease_expiry), repr(now), token, queue, *ids),
                      reply_arity=-1, numkeys=2)
 
     def step(self, items: list) -> Write:

@@ -128,3 +128,34 @@ def test_every_script_run_twice_is_run_once(redis_url, arun):
             assert await store.live_ids() == []
 
     arun(scenario())
+
+
+async def pop_ids(writer, store, ids, token, queue="pending", replica="rep"):
+    got = await writer.call(store.pop_ids(queue, replica, ids, 2e9, 1.0, token))
+    return [i.decode() for i in got]
+
+
+def test_named_pop_takes_only_what_is_still_queued_there_and_once(redis_url, arun):
+    """Pull affinity's pop: the chosen ids, in the order given, if still queued in
+    that queue; a retried call (same token) returns what it took, nothing more."""
+
+    async def scenario():
+        async with store_and_writer(redis_url, "named:") as (store, writer):
+            r = store.redis
+            for i in range(4):
+                await writer.call(submit(store, f"n{i}", arrival=1000.0 + i))
+            await writer.call(submit(store, "elsewhere", queue="r:x"))
+            assert await pop(writer, store, 1, None, "head") == ["n0"]
+            taken = await pop_ids(writer, store, ["n2", "n0", "elsewhere", "nobody", "n1"], "t1")
+            assert taken == ["n2", "n1"]   # n0 was taken already; the others are not queued here
+            assert await pop_ids(writer, store, ["n2", "n1", "n3"], "t1") == ["n2", "n1"]
+            assert await r.hget("named:req:n2", "n") == b"1"
+            assert (await r.hget("named:req:n1", "st"), await r.hget("named:req:n1", "o")) == (b"r", b"rep")
+            assert await r.zrange("named:q:pending", 0, -1) == [b"%016d%012d:n3" % (1003000000, 4)]
+            assert await r.zcard("named:inflight") == 3
+            assert await r.zcard("named:q:r:x") == 1 and await r.hget("named:req:elsewhere", "st") == b"q"
+            # Requeued to the front, it can be named again (a fresh token).
+            await writer.call(store.requeue(["n2", "pending", "rep", 1, 1]))
+            assert await pop_ids(writer, store, ["n3", "n2"], "t2") == ["n3", "n2"]
+
+    arun(scenario())
