@@ -76,11 +76,9 @@ class Admission:
         req, stored = self.table.admit(spec, ids, max_tokens,
                                        self.scheduler.arrival_queue(ids, max_tokens), rid, digest)
         try:
-            # Awaited directly (no shield): cancelling this future cancels no write,
-            # the writer skips a done future, and each wrapper would cost a loop pass.
-            async with asyncio.timeout(self.config.submit_timeout):
-                created, value, _state = await stored
-        except TimeoutError:
+            created, value, state = await asyncio.wait_for(asyncio.shield(stored),
+                                                           self.config.submit_timeout)
+        except asyncio.TimeoutError:
             self.table.withdraw(req)
             raise unavailable(f"Redis did not store the request within {self.config.submit_timeout:g} s; "
                               "retry (with the same request_id to be safe)", "store") from None
@@ -90,7 +88,7 @@ class Admission:
         if not int(created):
             self.table.forget_unstored(req)
             return await self._from_store(rid, digest, value.decode())
-        assert req.confirmed, req.id   # by the write's completion (RequestTable._submitted)
+        self.table.confirm(req)
         return req
 
     def _in_memory(self, rid: str, digest: str) -> RequestState | None:

@@ -157,18 +157,10 @@ class RequestTable:
         self.requests[rid] = req
         self._enqueue(req, queue)
         spec_json = _spec_json(spec)
-        write = self.store.submit(rid, req.submit_token, digest, spec_json, prompt_ids, max_tokens,
-                                  spec.priority, now, spec.stream_interval, queue)
-        # Confirmed in the writer's completion, not when the client's handler next
-        # runs: the pull scheduler may pop it a loop pass (or three) sooner.
-        write.on_done = lambda reply: self._submitted(req, reply)
-        return req, self.writer.call(write)
-
-    def _submitted(self, req: RequestState, reply) -> None:
-        if isinstance(reply, Exception) or not int(reply[0]):
-            return  # refused, or the id is taken: admission handles both
-        if req.phase is Phase.QUEUED and not req.confirmed and self.requests.get(req.id) is req:
-            self.confirm(req)   # else withdrawn (its handler gave up) before it landed
+        future = self.writer.call(self.store.submit(
+            rid, req.submit_token, digest, spec_json, prompt_ids, max_tokens, spec.priority, now,
+            spec.stream_interval, queue))
+        return req, future
 
     def confirm(self, req: RequestState) -> None:
         """Its submit is durable: it may be popped."""
