@@ -62,19 +62,19 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(live_stack, hf_referenc
 
 def test_an_uncached_request_is_served_once_it_has_waited_its_bound(live_stack, hf_reference):
     """One seat, so requests run one after another, each of the cached ones for
-    150 steps. A cold request arrives ahead of 14 that share a cached prefix.
+    60 steps. A cold request arrives ahead of 8 that share a cached prefix.
     Cached tokens alone decide (--pull-affinity-wait-weight 0), so the cached
     ones pass it until it has waited 1 s: then it is served next. Strict FIFO
     would serve it first; affinity without the bound, last."""
     stack = live_stack("pull", ["--pull-affinity-max-wait", "1", "--pull-affinity-wait-weight", "0"])
     stack.start_replica("r0", "--max-num-seqs", "1")
     cold = [300 + (7 * i) % 200 for i in range(101)]
-    warm = [prefixed(i) for i in range(1, 15)]
+    warm = [prefixed(i) for i in range(1, 9)]
 
     async def scenario():
         first_token = {}
 
-        async def one(name, prompt, n=150):
+        async def one(name, prompt, n=60):
             out = await generate(stack.address, prompt, n, progress=progress[name])
             return name, prompt, n, out
 
