@@ -26,6 +26,7 @@ from common.tokenizer import max_model_len, vocab_size
 from router.admission import Admission
 from router.auth import ApiKeyInterceptor, server_credentials
 from router.config import RouterConfig
+from router.liveness import RouterLease
 from router.frontends.grpc_api import GENERATE_METHOD, GenerationService
 from router.malformed import MalformedInterceptor
 from router.metrics import Metrics
@@ -47,6 +48,8 @@ SERVICE_NAMES = (
 )
 SHUTDOWN_MESSAGE = ("the router is restarting; nothing was cancelled: call again with the same "
                     "request_id to re-attach")
+FENCED_MESSAGE = ("the router lost its Redis lease and starts over; nothing was cancelled: call "
+                  "again with the same request_id to re-attach")
 
 
 class RouterApp:
@@ -72,6 +75,10 @@ class RouterApp:
                                    self.writer, self.store, self.metrics)
         self.reaper = Reaper(self.table, self.ops, self.registry, self.writer, self.store,
                              self.metrics, config)
+        self.lease = RouterLease(self.store, self.writer, config.router_lease_ttl,
+                                 config.heartbeat_interval)
+        self.fenced = asyncio.Event()
+        self.writer.on_fenced = lambda reason: self.fenced.set()
         self.table.on_queued = self.scheduler.kick
         self.table.on_cancel_running = self._cancel_on_replica
         self.server: grpc.aio.Server | None = None
@@ -97,7 +104,9 @@ class RouterApp:
     async def start(self) -> int:
         self.admission.start()
         await self.store.ping()
+        await self.lease.acquire()
         self.writer.start()
+        self.lease.start()
         await recover(self.table, self.store, self.writer, self.config.lease_ttl)
         self.scheduler.start()
         keys = self.config.api_key_set
@@ -170,6 +179,29 @@ class RouterApp:
         if self.server is not None:
             await self.server.stop(grace)
         await self.writer.stop()
+        await self.lease.release()
+        await self._close()
+
+    async def abandon(self) -> None:
+        """Fenced: another router may own what this one held, so it writes nothing
+        more, ends every stream (clients re-attach, replicas reconnect) and closes."""
+        self.admission.stopping = True
+        self.table.stopping = True
+        await self.lease.stop()
+        await self.scheduler.stop()
+        await self.reaper.stop()
+        for session in list(self.registry.sessions.values()):
+            session.close(grpc.StatusCode.UNAVAILABLE, "the router lost its Redis lease; reconnect")
+        self.table.detach_clients(FENCED_MESSAGE)
+        await asyncio.sleep(0)
+        if self.http is not None:
+            await self.http.stop()
+        if self.server is not None:
+            await self.server.stop(0)
+        await self.writer.stop()
+        await self._close()
+
+    async def _close(self) -> None:
         await self.store.close()
         self.admission.stop()
         if self.metrics_http is not None:
@@ -182,12 +214,23 @@ class RouterApp:
 
 
 async def serve(config: RouterConfig) -> None:
-    app = RouterApp(config)
-    await app.start()
+    """Runs the router until SIGTERM or SIGINT; a router that was fenced (it lost
+    its lease, say while frozen) abandons its state and starts over."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down: streams end, nothing is cancelled")
-    await app.stop()
+    while True:
+        app = RouterApp(config)
+        await app.start()
+        stopping = asyncio.ensure_future(stop.wait())
+        fenced = asyncio.ensure_future(app.fenced.wait())
+        await asyncio.wait([stopping, fenced], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        fenced.cancel()
+        if stop.is_set():
+            log.info("shutting down: streams end, nothing is cancelled")
+            await app.stop()
+            return
+        log.error("fenced: starting over as a new router")
+        await app.abandon()

@@ -12,16 +12,43 @@ offset, never appended.
 
 Scripts that take items repeat a fixed group of arguments per item, so the
 writer can merge consecutive calls of one script into one.
+
+Fencing: the writer appends the router's id and epoch to every call, and
+each script first checks them (FENCE): a router whose liveness lease has
+lapsed, or whose epoch is not the one registered for its id, writes nothing
+and gets a FENCED error. Several routers share one Redis, and one that was
+cut off must not overwrite what the others did meanwhile. The lease is
+judged by Redis's own clock (TIME), so routers' clocks need not agree.
 """
 
 from __future__ import annotations
+
+# Pops the router id and epoch the writer appended (so every script's own
+# arguments keep their places) and refuses to run for a fenced router.
+FENCE = """
+local epoch_ = table.remove(ARGV)
+local router_ = table.remove(ARGV)
+if router_ ~= '' then
+  local p_ = ARGV[1]
+  local expiry_ = redis.call('ZSCORE', p_ .. 'routers', router_)
+  local t_ = redis.call('TIME')
+  if (not expiry_) or tonumber(expiry_) < tonumber(t_[1]) + tonumber(t_[2]) / 1e6
+      or redis.call('HGET', p_ .. 'router:' .. router_, 'epoch') ~= epoch_ then
+    return redis.error_reply('FENCED router ' .. router_ .. ' epoch ' .. epoch_ .. ' holds no live lease')
+  end
+end
+"""
+
+
+def fenced(body: str) -> str:
+    return FENCE + body
 
 # ARGV: prefix, then 12 per request:
 #   id, submit token, digest, spec json, packed prompt ids, prompt_len,
 #   max_tokens, priority, arrival, arrival_us, stream_interval, queue name
 # -> 3 per request: 1, member, '' when stored (also when this very submit
 #    stored it before: same token); 0, digest, state when the id is taken.
-SUBMIT = """
+SUBMIT = fenced("""
 local prefix = ARGV[1]
 local out = {}
 for i = 2, #ARGV, 12 do
@@ -52,7 +79,7 @@ for i = 2, #ARGV, 12 do
   end
 end
 return out
-"""
+""")
 SUBMIT_ITEM_ARGS = 12
 SUBMIT_REPLY_ITEMS = 3
 
@@ -64,7 +91,7 @@ SUBMIT_REPLY_ITEMS = 3
 # for the prefill it can start soon, and a prompt longer than that must still
 # start on a replica with room. Cost = prompt + output so far (recomputed).
 # A pop that ran before (same token) returns what it took then.
-POP = """
+POP = fenced("""
 local prefix, replica = ARGV[1], ARGV[2]
 local n, budget = tonumber(ARGV[3]), tonumber(ARGV[4])
 local done = prefix .. 'pop:' .. ARGV[7]
@@ -95,12 +122,12 @@ if #taken > 0 then
   redis.call('EXPIRE', done, 300)
 end
 return taken
-"""
+""")
 
 # Back to the FRONT of a queue: same score and member as at arrival.
 # ARGV: prefix, then 5 per request: id, queue name, expected owner,
 #       expected assignment count, requeues so far.
-REQUEUE = """
+REQUEUE = fenced("""
 local prefix = ARGV[1]
 for i = 2, #ARGV, 5 do
   local id, qname = ARGV[i], ARGV[i + 1]
@@ -114,13 +141,13 @@ for i = 2, #ARGV, 5 do
   end
 end
 return 1
-"""
+""")
 REQUEUE_ITEM_ARGS = 5
 
 # Moves queued requests between queues (a gone replica's set is redistributed;
 # recovery gathers everything into the shared queue).
 # ARGV: prefix, then 3 per request: id, source queue ('' = wherever it is), destination.
-MOVE = """
+MOVE = fenced("""
 local prefix = ARGV[1]
 for i = 2, #ARGV, 3 do
   local id, src, dst = ARGV[i], ARGV[i + 1], ARGV[i + 2]
@@ -133,7 +160,7 @@ for i = 2, #ARGV, 3 do
   end
 end
 return 1
-"""
+""")
 MOVE_ITEM_ARGS = 3
 
 # Everything one flush of StepOutputs (from any replicas) records.
@@ -145,7 +172,7 @@ MOVE_ITEM_ARGS = 3
 # the inflight and live sets and starts the result TTL on its keys. Output of
 # a request finished meanwhile (a cancel) gets the TTL too; a request whose
 # record is gone (expired) is skipped, so no key without a TTL is made.
-STEP = """
+STEP = fenced("""
 local prefix, ttl = ARGV[1], tonumber(ARGV[2])
 for i = 3, #ARGV, 16 do
   local id = ARGV[i]
@@ -173,13 +200,13 @@ for i = 3, #ARGV, 16 do
   end
 end
 return 1
-"""
+""")
 STEP_ITEM_ARGS = 16
 
 # Ends requests that did not finish through a step (cancel, errors, requeue
 # limit), queued or running. ARGV: prefix, ttl seconds, then 2 + 2k per request:
 #   id, k, then k field/value pairs for the hash.
-FINISH = """
+FINISH = fenced("""
 local prefix, ttl = ARGV[1], tonumber(ARGV[2])
 local i = 3
 while i <= #ARGV do
@@ -202,14 +229,14 @@ while i <= #ARGV do
   i = i + 2 + 2 * k
 end
 return 1
-"""
+""")
 
 # Removes a request whose submit timed out at the router (its client was told
 # UNAVAILABLE), if it is still the one that submit stored, so a retry with the
 # same request_id starts it afresh. A pop may have taken it meanwhile (in the
 # same flush as its submit); no replica was sent it, so it goes all the same.
 # ARGV: prefix, then 2 per request: id, submit token.
-ABANDON = """
+ABANDON = fenced("""
 local prefix = ARGV[1]
 for i = 2, #ARGV, 2 do
   local id = ARGV[i]
@@ -223,5 +250,61 @@ for i = 2, #ARGV, 2 do
   end
 end
 return 1
-"""
+""")
 ABANDON_ITEM_ARGS = 2
+
+# A router joins: a fresh epoch for its id and a lease of ttl seconds.
+# ARGV: prefix, router id, ttl -> the epoch.
+REGISTER_ROUTER = """
+local prefix, id = ARGV[1], ARGV[2]
+local epoch = redis.call('INCR', prefix .. 'epoch')
+local t = redis.call('TIME')
+redis.call('HSET', prefix .. 'router:' .. id, 'epoch', epoch, 'started', t[1])
+redis.call('ZADD', prefix .. 'routers', tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[3]), id)
+return epoch
+"""
+
+# Extends the calling router's lease (fenced: a lapsed one is not revived).
+# ARGV: prefix, ttl -> 1.
+RENEW_ROUTER = fenced("""
+local t = redis.call('TIME')
+redis.call('ZADD', ARGV[1] .. 'routers', tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[2]), router_)
+return 1
+""")
+
+# A router leaving in good order gives its lease up at once. ARGV: prefix, id.
+LEAVE_ROUTER = """
+redis.call('ZREM', ARGV[1] .. 'routers', ARGV[2])
+redis.call('DEL', ARGV[1] .. 'router:' .. ARGV[2], ARGV[1] .. 'ev:' .. ARGV[2])
+return 1
+"""
+
+# Forgets routers whose lease lapsed: their ids, epochs and event streams.
+# ARGV: prefix -> the ids forgotten.
+SWEEP_ROUTERS = fenced("""
+local prefix = ARGV[1]
+local t = redis.call('TIME')
+local dead = redis.call('ZRANGEBYSCORE', prefix .. 'routers', '-inf',
+  tonumber(t[1]) + tonumber(t[2]) / 1e6)
+for _, id in ipairs(dead) do
+  redis.call('ZREM', prefix .. 'routers', id)
+  redis.call('DEL', prefix .. 'router:' .. id, prefix .. 'ev:' .. id)
+end
+return dead
+""")
+
+# Sets in-flight leases: XX renews only what is still in flight (a live
+# replica's requests); without it recovery puts entries back.
+# ARGV: prefix, 'XX' or '', then (id, expiry) pairs.
+LEASES = fenced("""
+local key = ARGV[1] .. 'inflight'
+for i = 3, #ARGV, 2 do
+  if ARGV[2] == 'XX' then
+    redis.call('ZADD', key, 'XX', ARGV[i + 1], ARGV[i])
+  else
+    redis.call('ZADD', key, ARGV[i + 1], ARGV[i])
+  end
+end
+return 1
+""")
+LEASES_ITEM_ARGS = 2

@@ -16,6 +16,9 @@ Keys (prefix P, default "quadriga:"):
   P live         set    every unfinished request id (what recovery reads)
   P seq          counter (INCR) breaking arrival ties
   P pop:<token>  list   what one pop took, for 300 s (a retried pop returns it again)
+  P routers      zset   live routers, score = lease expiry (Redis TIME, unix s)
+  P router:<id>  hash   epoch (fences a router's writes, lua.FENCE), started
+  P epoch        counter (INCR) a router's epoch at registration
 Finished requests keep req/out/txt for result_ttl seconds.
 
 Every write is built here as a `Write` and goes through the RedisWriter
@@ -108,6 +111,11 @@ class Store:
         self._move = self.lean.script(lua.MOVE)
         self._finish = self.lean.script(lua.FINISH)
         self._abandon = self.lean.script(lua.ABANDON)
+        self._leases = self.lean.script(lua.LEASES)
+        self._renew_router = self.lean.script(lua.RENEW_ROUTER)
+        self._sweep_routers = self.lean.script(lua.SWEEP_ROUTERS)
+        self._register_router = self.redis.register_script(lua.REGISTER_ROUTER)
+        self._leave_router = self.redis.register_script(lua.LEAVE_ROUTER)
 
     # ---- keys ----
     def req_key(self, rid: str) -> str:
@@ -178,18 +186,33 @@ class Store:
     def abandon(self, rid: str, token: str) -> Write:
         return Write(self._abandon, (self.prefix,), (rid, token), item_args=lua.ABANDON_ITEM_ARGS)
 
-    def renew_leases(self, leases: dict[str, float]) -> Write:
-        args = ["ZADD", self.inflight_key, "XX"]
+    def _lease_write(self, leases: dict[str, float], mode: str) -> Write:
+        items = []
         for rid, expiry in leases.items():
-            args += [repr(expiry), rid]
-        return Write(None, (), args, reply_arity=-1)
+            items += [rid, repr(expiry)]
+        return Write(self._leases, (self.prefix, mode), items, item_args=lua.LEASES_ITEM_ARGS)
+
+    def renew_leases(self, leases: dict[str, float]) -> Write:
+        return self._lease_write(leases, "XX")
 
     def ensure_leases(self, leases: dict[str, float]) -> Write:
         """Recovery: every running request is in the inflight set with this lease."""
-        args = ["ZADD", self.inflight_key]
-        for rid, expiry in leases.items():
-            args += [repr(expiry), rid]
-        return Write(None, (), args, reply_arity=-1)
+        return self._lease_write(leases, "")
+
+    # ---- routers' liveness (lua.FENCE) ----
+    async def register_router(self, router_id: str, ttl: float) -> str:
+        """A fresh epoch and lease for this router; the epoch, as the writer sends it."""
+        epoch = await self._register_router(args=[self.prefix, router_id, repr(ttl)])
+        return str(int(epoch))
+
+    async def leave_router(self, router_id: str) -> None:
+        await self._leave_router(args=[self.prefix, router_id])
+
+    def renew_router(self, ttl: float) -> Write:
+        return Write(self._renew_router, (self.prefix, repr(ttl)), reply_arity=-1)
+
+    def sweep_routers(self) -> Write:
+        return Write(self._sweep_routers, (self.prefix,), reply_arity=-1)
 
     @staticmethod
     def barrier(on_done) -> Write:
