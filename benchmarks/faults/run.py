@@ -93,19 +93,22 @@ class Stream:
 
 
 class FaultStack:
-    def __init__(self, work: Path, model: str, lease_ttl: float, seats: int):
+    def __init__(self, work: Path, model: str, lease_ttl: float, seats: int,
+                 replica_args: dict | None = None, router_args: tuple = ()):
         self.redis = RedisServer(work / "redis", appendonly=True)
         self.redis.start()
         self.stack = LiveStack(work, self.redis.url, model, "pull",
-                               ("--lease-ttl", str(lease_ttl), "--log-level", "WARNING"))
+                               ("--lease-ttl", str(lease_ttl), "--log-level", "WARNING", *router_args))
         self.stack.start_router()
         self.proxy = FaultProxy(self.stack.port).start()
         self.seats = seats
+        self.replica_args = replica_args or {}
         for rid in ("r0", "r1"):
             self.start_replica(rid)
 
     def start_replica(self, rid: str) -> None:
-        self.stack.start_replica(rid, "--max-num-seqs", str(self.seats), router=self.proxy.address)
+        self.stack.start_replica(rid, "--max-num-seqs", str(self.seats), *self.replica_args.get(rid, ()),
+                                 router=self.proxy.address)
 
     @property
     def address(self) -> str:

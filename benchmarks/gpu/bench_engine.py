@@ -68,18 +68,27 @@ def section(name):
     return wrap
 
 
-def write_llama31_8b_config(path: Path) -> Path:
+LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)
+LLAMA31_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
+
+
+def write_llama31_config(path: Path, shape: dict) -> Path:
+    """A Llama-3.1 config.json (vocabulary, rope scaling, 8 kv heads) of the given shape."""
     import transformers
 
     transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+        vocab_size=128256, num_key_value_heads=8, max_position_embeddings=131072,
         rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
         eos_token_id=[128001, 128008, 128009], rms_norm_eps=1e-5, torch_dtype="bfloat16",
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        **shape,
     ).save_pretrained(str(path))
     return path
+
+
+def write_llama31_8b_config(path: Path) -> Path:
+    return write_llama31_config(path, LLAMA31_8B)
 
 
 def cuda_time(fn, reps: int, warmup: int = 3) -> float:
@@ -173,7 +182,8 @@ def decode(holder: dict, batches, ceil: dict, steps: int, profile: bool):
     blocks_per_seq = -(-(CTX + 1) // bs)
     _fill_kv(runner, min(runner.num_blocks, max(batches) * blocks_per_seq))
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    embed_bytes = runner.model.embed_tokens.numel() * runner.model.embed_tokens.element_size()
+    embed = runner.model.embed_tokens.weight
+    embed_bytes = embed.numel() * embed.element_size()
     bw = ceil.get("copy_bandwidth_TBps", 4.3) * 1e12
     rng = random.Random(0)
     out = []

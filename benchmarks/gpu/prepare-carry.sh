@@ -17,15 +17,17 @@ fi
 # would stop that install. A flashinfer JIT cache brought back stays.
 rm -f "$dir"/*.whl "$dir"/*.deb "$dir"/flashinfer.tar.xz
 deps() { python3 "$root/scripts/pyproject_deps.py" "$@"; }
-mapfile -t wheels < <(deps core --only grpcio,grpcio-health-checking,grpcio-reflection,protobuf,redis)
+mapfile -t wheels < <(deps core --only grpcio,grpcio-health-checking,grpcio-reflection,protobuf,redis,fastapi,uvicorn)
 mapfile -t flashinfer < <(deps gpu --only flashinfer-python)
 tmp=$(mktemp -d)
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
       --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64)
-# hiredis is redis[hiredis]'s extra, apache-tvm-ffi flashinfer's own dependency:
-# --no-deps fetches neither by itself.
-python3 -m pip download -q --no-deps "${plat[@]}" -d "$dir" "${wheels[@]}" hiredis 'apache-tvm-ffi>=0.1.11,<0.2'
+# hiredis is redis[hiredis]'s extra, apache-tvm-ffi flashinfer's own dependency, and
+# starlette and pydantic (with theirs) are what fastapi needs beyond the image:
+# --no-deps fetches none of them by itself.
+python3 -m pip download -q --no-deps "${plat[@]}" -d "$dir" "${wheels[@]}" hiredis 'apache-tvm-ffi>=0.1.11,<0.2' \
+  starlette pydantic pydantic-core annotated-types typing-inspection
 python3 -m pip download -q --no-deps -d "$tmp" "${flashinfer[@]}"
 ( cd "$tmp" && python3 -m zipfile -e flashinfer_python-*.whl unpacked >/dev/null \
   && cd unpacked && tar cf - flashinfer flashinfer_python-*.dist-info | xz -T0 -6 > "$dir/flashinfer.tar.xz" )

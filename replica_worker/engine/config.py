@@ -80,12 +80,38 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """tensor_parallel_size processes hold one model, each a shard of every layer
+    (docs/engine.md): rank 0 is the engine's own process and starts the others; on
+    CUDA rank r runs on the r-th GPU from the configured device. The KV cache settings
+    (num_blocks, kv_cache_memory_bytes, gpu_memory_utilization) are per rank."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size must be at least 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     device: str = "cpu"  # "cpu" or "cuda"
     enable_cuda_graphs: bool = True  # CUDA only: decode-only steps replay captured graphs
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self) -> None:
         _require(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), f"device must be cpu or cuda, got {self.device!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineConfig":
+        """The inverse of dataclasses.asdict (how rank 0 hands its config to the other ranks)."""
+        return cls(
+            model=ModelConfig(**d["model"]),
+            cache=CacheConfig(**d["cache"]),
+            scheduler=SchedulerConfig(**d["scheduler"]),
+            device=d["device"],
+            enable_cuda_graphs=d["enable_cuda_graphs"],
+            parallel=ParallelConfig(**d["parallel"]),
+        )

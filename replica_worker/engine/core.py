@@ -40,7 +40,19 @@ class EngineCore:
         """runner: what runs the batches (ModelRunner(config) when not given; a
         simulated replica gives one that waits instead of computing)."""
         self.config = config
-        self.runner = runner if runner is not None else ModelRunner(config)
+        self._tensor_parallel = None
+        if runner is not None:
+            self.runner = runner
+        else:
+            if config.parallel.tensor_parallel_size > 1:
+                from replica_worker.engine.distributed.leader import TensorParallelLeader
+
+                self._tensor_parallel = TensorParallelLeader(config)  # this process is rank 0
+            try:
+                self.runner = ModelRunner(config, self._tensor_parallel and self._tensor_parallel.ranks)
+            except BaseException:
+                self._abort_ranks("rank 0 failed to start its runner")
+                raise
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.scheduler = make_scheduler(
@@ -133,7 +145,12 @@ class EngineCore:
         out = self.scheduler.schedule()
         deltas = [self._ignored_delta(seq) for seq in out.ignored]
         if out.chunks:
-            sampled = self.runner.execute(out.chunks)
+            try:
+                sampled = self.runner.execute(out.chunks)
+            except BaseException:
+                # The other ranks may be inside this step's collectives: no later step could pair with them.
+                self._abort_ranks("a step failed on rank 0")
+                raise
             deltas.extend(self._apply(out.chunks, sampled))
         return StepResult(
             deltas=deltas,
@@ -207,6 +224,26 @@ class EngineCore:
             error="request can never be scheduled on this replica (too long for its KV cache)",
             seq=seq,
         )
+
+    @property
+    def tensor_parallel(self):
+        """The TensorParallelLeader when this engine spans several ranks, else None."""
+        return self._tensor_parallel
+
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks, if any (also done at interpreter exit)."""
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.shutdown()
+
+    def _abort_ranks(self, reason: str) -> None:
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.abort(reason)
+
+    @property
+    def step_errors_recoverable(self) -> bool:
+        """False under tensor parallelism: a step that failed on rank 0 may have left the
+        other ranks inside a collective, so no later step can be trusted."""
+        return self._tensor_parallel is None
 
     # ---- what the worker asks ----
     def has_unfinished(self) -> bool:

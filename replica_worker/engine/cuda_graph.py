@@ -10,6 +10,11 @@ read from the cache's scratch block), re-plans the bucket's decode wrapper
 and replays. The sampler takes the graph's logits and its argmax, which is
 the whole answer when every row is plain greedy. The step's one host sync
 stays the read of the sampled ids (and logprobs).
+
+Under tensor parallelism the graphs hold the layers' all-reduces and the logits'
+all-gather (NCCL collectives are captured like kernels). Every rank captures the
+same buckets in the same order at start-up and replays the same bucket each step
+(rank 0's batch decides it), so each replay's collectives meet their peers'.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from replica_worker.engine.sampler import SamplerOutput
 
 if TYPE_CHECKING:
     from replica_worker.engine.model_runner import ModelRunner
+    from replica_worker.engine.step_batch import StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +97,7 @@ class DecodeGraphs:
             0,
             self.block_size,
             self.runner.device,
-            extra=(np.asarray(list(token_ids) + [0] * pad, dtype=np.int64),),
+            extra=(np.concatenate([np.asarray(token_ids, dtype=np.int64), np.zeros(pad, dtype=np.int64)]),),
         )
         return md, positions, input_ids
 
@@ -127,15 +133,13 @@ class DecodeGraphs:
     def bucket_for(self, batch: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
-    def execute(self, chunks, sampling: list[int], rows: list) -> SamplerOutput:
-        """chunks: one-token chunks, len <= max_batch; rows: the sampling chunks' sequences."""
-        b = self.bucket_for(len(chunks))
+    def execute(self, batch: "StepBatch", rows: list | None) -> SamplerOutput:
+        """batch: decode-only, at most max_batch sequences; rows: the sequences of its
+        sample_rows, in order; None (a rank other than 0): replay only."""
+        n = batch.num_seqs
+        b = self.bucket_for(n)
         g = self.graphs[b]
-        seqs = [c.seq for c in chunks]
-        nc = [s.num_computed_tokens for s in seqs]
-        md, positions, input_ids = self._padded_metadata(
-            nc, [s.block_ids for s in seqs], [s.token_ids[i] for s, i in zip(seqs, nc)], b
-        )
+        md, positions, input_ids = self._padded_metadata(batch.num_computed, batch.block_ids, batch.token_ids, b)
         with torch.inference_mode():
             self.input_ids[:b].copy_(input_ids)
             self.positions[:b].copy_(positions)
@@ -143,11 +147,12 @@ class DecodeGraphs:
             self.backend.plan_graph_decode(g.wrapper, md)
             g.graph.replay()
             self.replays += 1
-            if not sampling:
+            sampling = batch.sample_rows  # one token per sequence: row k is sequence k
+            if rows is None or not len(sampling):
                 return SamplerOutput([])
-            logits, argmax = g.logits[: len(chunks)], g.greedy[: len(chunks)]
-            if len(sampling) != len(chunks):
-                idx = torch.tensor(sampling, device=logits.device)
+            logits, argmax = g.logits[:n], g.greedy[:n]
+            if len(sampling) != n:
+                idx = torch.from_numpy(sampling).to(logits.device)
                 logits, argmax = logits[idx], argmax[idx]
             # The sampler may overwrite the graph's logits: the next replay rewrites them.
             return self.runner.sampler(logits, rows, argmax=argmax).to_host()  # the step's one host sync

@@ -16,6 +16,12 @@ a penalty row's counts (sampler.py, penalty_state.py).
 On CUDA the attention backend is flashinfer where it can serve the model
 (see attention.select_backend), and decode-only steps of up to max_num_seqs
 sequences replay CUDA graphs captured at start-up (cuda_graph.DecodeGraphs).
+
+Tensor parallelism (a RankContext): every rank has a runner with its shard of the
+model and its heads' KV cache, the same block ids on every rank. Rank 0's execute()
+publishes each step's StepBatch before running it; the other ranks call run_batch()
+on what they receive, with no sampling rows: they run the forward (and its
+collectives) only, and rank 0 alone samples.
 """
 
 from __future__ import annotations
@@ -23,31 +29,23 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
-import numpy as np
 import torch
 
 from replica_worker.engine.attention import AttentionMetadata, build_attention_metadata, select_backend
 from replica_worker.engine.config import EngineConfig
+from replica_worker.engine.distributed.group import SINGLE_RANK, RankContext
 from replica_worker.engine.kv_cache import KVCache, bytes_per_block, determine_num_blocks
 from replica_worker.engine.model import DTYPES, get_model, load_hf_config, sliding_window_of
+from replica_worker.engine.model.parallel import head_shard
 from replica_worker.engine.sampler import Sampler, SampledBatch, SamplerOutput
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.sequence import Sequence
+from replica_worker.engine.step_batch import Chunk, ChunkLike, StepBatch, batch_of
 
 logger = logging.getLogger(__name__)
 
-
-class ChunkLike(Protocol):
-    seq: Sequence
-    num_tokens: int
-
-
-@dataclass
-class _Chunk:
-    seq: Sequence
-    num_tokens: int
+_Chunk = Chunk  # the name benchmarks import
 
 
 @dataclass
@@ -56,11 +54,6 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [S] rows that sample, in chunk order
-    sampling_rows: list[Sequence]
-
-
-def _samples(chunk: ChunkLike) -> bool:
-    return chunk.seq.num_computed_tokens + chunk.num_tokens == chunk.seq.num_tokens
 
 
 def eos_id_list(eos: int | list[int] | None) -> list[int]:
@@ -83,9 +76,12 @@ def _read_eos(model_dir: str, hf_config) -> int | list[int] | None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, ranks: RankContext | None = None) -> None:
+        """ranks: this process's place in a tensor-parallel engine (None: the whole model here)."""
         self.config = config
-        self.device = torch.device(config.device)
+        self.ranks = ranks
+        group = SINGLE_RANK if ranks is None else ranks.tensors
+        self.device = torch.device(config.device if ranks is None else ranks.device)
         mc = config.model
         self.hf_config = load_hf_config(mc.model)
         max_pos = self.hf_config.max_position_embeddings
@@ -98,12 +94,14 @@ class ModelRunner:
         t0 = time.perf_counter()
         n_heads = self.hf_config.num_attention_heads
         head_dim = getattr(self.hf_config, "head_dim", None) or self.hf_config.hidden_size // n_heads
-        n_kv = getattr(self.hf_config, "num_key_value_heads", None) or n_heads
+        heads = head_shard(n_heads, getattr(self.hf_config, "num_key_value_heads", None) or n_heads,
+                           group.rank, group.size)
+        n_kv = self.num_kv_heads = heads.num_kv_heads  # this rank's
         self.sliding_window = sliding_window_of(self.hf_config, self.max_model_len)
         backend_cls = select_backend(self.device, self.dtype, head_dim, self.sliding_window)
         extra = {"dtype": self.dtype, "device": self.device} if backend_cls.name == "flashinfer" else {}
-        self.backend = backend_cls(n_heads, n_kv, head_dim, sliding_window=self.sliding_window, **extra)
-        self.model = get_model(mc, self.backend, self.device, self.max_model_len, self.hf_config)
+        self.backend = backend_cls(heads.num_heads, n_kv, head_dim, sliding_window=self.sliding_window, **extra)
+        self.model = get_model(mc, self.backend, self.device, self.max_model_len, self.hf_config, group)
         self._sync()
         t1 = time.perf_counter()
         self.vocab_size: int = self.model.shape.vocab_size
@@ -116,6 +114,8 @@ class ModelRunner:
         num_blocks = determine_num_blocks(config.cache, block_bytes, self.device, self._profile_run)
         if use_graphs and config.cache.num_blocks is None:
             num_blocks -= 1  # room for the scratch block
+        if ranks is not None:
+            num_blocks = ranks.steps.agree_min(num_blocks)  # one block id means one block on every rank
         self.num_blocks = num_blocks
         self.kv_cache = KVCache(num_layers, self.num_blocks, self.block_size, n_kv, head_dim, self.dtype, self.device,
                                 scratch_blocks=1 if use_graphs else 0)
@@ -151,52 +151,45 @@ class ModelRunner:
         """Sampled token ids (and logprobs), one per chunk that samples, in chunk order."""
         if not chunks:
             return SamplerOutput([])
-        if self.graphs is not None and len(chunks) <= self.graphs.max_batch and all(c.num_tokens == 1 for c in chunks):
-            sampling = [i for i, c in enumerate(chunks) if _samples(c)]
-            return self.graphs.execute(chunks, sampling, [chunks[i].seq for i in sampling])
-        inputs = self.prepare_inputs(chunks)
+        batch, sampling = batch_of(chunks, self.max_model_len)
+        seqs = [chunks[i].seq for i in sampling]
+        if self.ranks is not None:
+            self.ranks.steps.publish(batch)
+        return self.run_batch(batch, seqs)
+
+    def run_batch(self, batch: StepBatch, seqs: list[Sequence] | None) -> SamplerOutput:
+        """Runs the step; seqs (the sampling rows' sequences) None on a rank other than
+        0, which computes the logits, for their collective, and samples nothing."""
+        if self.graphs is not None and batch.decode_only and batch.num_seqs <= self.graphs.max_batch:
+            return self.graphs.execute(batch, seqs)
+        inputs = self.inputs_for(batch)
         with torch.inference_mode():
-            sampled = self._run(inputs, self.kv_cache.layers)
+            sampled = self._run(inputs, self.kv_cache.layers, seqs)
             return SamplerOutput([]) if sampled is None else sampled.to_host()  # the step's one host sync
 
-    def _run(self, inputs: StepInputs, kv_caches: list[torch.Tensor]) -> SampledBatch | None:
+    def _run(self, inputs: StepInputs, kv_caches: list[torch.Tensor],
+             seqs: list[Sequence] | None) -> SampledBatch | None:
         self.backend.prepare(inputs.metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.metadata)
-        if not inputs.sampling_rows:
+        if inputs.logits_indices.numel() == 0:
             return None
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        return self.sampler(logits, inputs.sampling_rows)
+        return None if seqs is None else self.sampler(logits, seqs)
 
     def prepare_inputs(self, chunks: list[ChunkLike]) -> StepInputs:
-        # Prefills (chunks of more than one token) first, then decodes, as the
-        # backends want; samples keep the caller's chunk order via logits_indices.
-        order = [i for i, c in enumerate(chunks) if c.num_tokens > 1]
-        num_prefills = len(order)
-        order += [i for i, c in enumerate(chunks) if c.num_tokens <= 1]
-        ordered = [chunks[i] for i in order]
-        for c in ordered:
-            if c.num_tokens < 1 or c.seq.num_computed_tokens + c.num_tokens > c.seq.num_tokens:
-                raise ValueError(f"bad chunk of {c.num_tokens} tokens for {c.seq!r}")
-            if c.seq.num_computed_tokens + c.num_tokens > self.max_model_len:
-                raise ValueError(f"{c.seq!r} exceeds max_model_len {self.max_model_len}")
-        token_ids: list[int] = []
-        qsl = [0]
-        for c in ordered:
-            start = c.seq.num_computed_tokens
-            token_ids.extend(c.seq.token_ids[start : start + c.num_tokens])
-            qsl.append(len(token_ids))
-        row_of = {idx: qsl[k + 1] - 1 for k, idx in enumerate(order)}  # last token of each chunk
-        sampling = [i for i, c in enumerate(chunks) if _samples(c)]
+        return self.inputs_for(batch_of(chunks, self.max_model_len)[0])
+
+    def inputs_for(self, batch: StepBatch) -> StepInputs:
         md, positions, (input_ids, logits_indices) = build_attention_metadata(
-            [c.seq.num_computed_tokens for c in ordered],
-            [c.num_tokens for c in ordered],
-            [c.seq.block_ids for c in ordered],
-            num_prefills,
+            batch.num_computed,
+            batch.num_tokens,
+            batch.block_ids,
+            batch.num_prefills,
             self.block_size,
             self.device,
-            extra=(np.asarray(token_ids, dtype=np.int64), np.asarray([row_of[i] for i in sampling], dtype=np.int64)),
+            extra=(batch.token_ids, batch.sample_rows),
         )
-        return StepInputs(input_ids, positions, md, logits_indices, [chunks[i].seq for i in sampling])
+        return StepInputs(input_ids, positions, md, logits_indices)
 
     # ---- KV cache sizing on CUDA ----
     def _profile_run(self) -> None:
@@ -207,9 +200,9 @@ class ModelRunner:
         num_tokens = min(budget, self.max_model_len)
         blocks = -(-num_tokens // self.block_size)
         s = self.model.shape
-        tmp = KVCache(s.num_layers, blocks, self.block_size, s.num_kv_heads, s.head_dim, self.dtype, self.device)
+        tmp = KVCache(s.num_layers, blocks, self.block_size, self.num_kv_heads, s.head_dim, self.dtype, self.device)
         seq = Sequence("profile", [0] * num_tokens, SamplingParams(temperature=0.0))
         seq.block_ids = list(range(blocks))
         with torch.inference_mode():
-            self._run(self.prepare_inputs([_Chunk(seq, num_tokens)]), tmp.layers)
+            self._run(self.prepare_inputs([Chunk(seq, num_tokens)]), tmp.layers, [seq])
         del tmp

@@ -81,11 +81,15 @@ class PenaltyState:
         """Applies assign()'s rebuild arrays, already on the device."""
         if "stale_slots" not in dev:
             return
-        self.counts[dev["stale_slots"]] = 0
-        self.in_prompt[dev["stale_slots"]] = False
+        # index_fill_ takes its value as a kernel argument; assigning a Python
+        # scalar through advanced indexing would copy it from host memory and
+        # synchronize the stream.
+        self.counts.index_fill_(0, dev["stale_slots"], 0.0)
+        self.in_prompt.index_fill_(0, dev["stale_slots"], False)
         ones = torch.ones_like(dev["out_tokens"], dtype=torch.float32)
         self.counts.index_put_((dev["out_slots"], dev["out_tokens"]), ones, accumulate=True)
-        self.in_prompt[dev["prompt_slots"], dev["prompt_tokens"]] = True
+        self.in_prompt.index_put_((dev["prompt_slots"], dev["prompt_tokens"]),
+                                  torch.ones_like(dev["prompt_tokens"], dtype=torch.bool))
 
     def record(self, slots: torch.Tensor, sampled: torch.Tensor) -> None:
         """Adds this step's sampled tokens (device tensors) to their slots' counts."""

@@ -23,8 +23,11 @@ def build_worker(config: WorkerConfig) -> ReplicaWorker:
         config.model, scheduler=config.scheduler, device=config.device, **dict(config.engine_args)
     )
     engine = EngineCore(engine_cfg, load_tokenizer(config.model))
-    log.info("engine ready: %s on %s, %d KV blocks, scheduler %s",
-             config.model_name, config.device, engine.runner.num_blocks, engine_cfg.scheduler.name)
+    # Under tensor parallelism this process is rank 0 (EngineCore started the other
+    # ranks): it alone talks to the router, as one replica with the ranks' KV blocks.
+    log.info("engine ready: %s on %s, %d KV blocks, scheduler %s, tensor parallel %d",
+             config.model_name, config.device, engine.runner.num_blocks, engine_cfg.scheduler.name,
+             engine_cfg.parallel.tensor_parallel_size)
     return worker_for(config, engine)
 
 

@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--load-format", default=_env("LOAD_FORMAT", "auto"), choices=("auto", "dummy"))
     p.add_argument("--gpu-memory-utilization", type=float, default=float(_env("GPU_MEMORY_UTILIZATION", 0.9)))
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached KV blocks of shared prefixes")
+    p.add_argument("--tensor-parallel-size", type=int, default=int(_env("TENSOR_PARALLEL_SIZE", 1)),
+                   help="processes (GPUs) holding one model, each a shard; this process is rank 0 and "
+                        "starts the others (default 1)")
     p.add_argument("--prefetch", type=int, default=int(_env("PREFETCH", 0)),
                    help="requests to pull beyond free seats (default 0: bind only when a seat is free)")
     p.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT_S", 30)))
@@ -86,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         "load_format": a.load_format,
         "gpu_memory_utilization": a.gpu_memory_utilization,
         "enable_prefix_caching": not a.no_prefix_caching,
+        "tensor_parallel_size": a.tensor_parallel_size,
         "dtype": a.dtype or ("float32" if a.device == "cpu" else "bfloat16"),
     }
     if a.max_num_batched_tokens is not None:

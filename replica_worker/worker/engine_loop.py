@@ -75,7 +75,7 @@ def exit_process(exc: BaseException) -> None:
     """Ends the replica at once, as a crash would: its stream drops, and the router
     requeues its requests (with the tokens they already have) onto other replicas
     instead of failing them here. A supervisor (Kubernetes, compose) restarts it."""
-    log.critical("accelerator failed (%s); exiting with status %d so the router moves this "
+    log.critical("engine cannot go on (%s); exiting with status %d so the router moves this "
                  "replica's requests elsewhere", exc, DEVICE_FAILED_EXIT)
     logging.shutdown()
     os._exit(DEVICE_FAILED_EXIT)
@@ -123,8 +123,12 @@ class EngineLoop:
             try:
                 self._iterate(commands)
             except Exception as exc:  # a broken step must not kill the thread silently
-                if is_fatal_device_error(exc):
-                    log.exception("engine step failed on the accelerator")
+                on_device = is_fatal_device_error(exc)
+                if on_device or not getattr(self._engine, "step_errors_recoverable", True):
+                    # With tensor-parallel ranks a failed step may have left them inside a
+                    # collective: no later step could be trusted either.
+                    log.exception("engine step failed %s", "on the accelerator" if on_device
+                                  else "with tensor-parallel ranks, which cannot resume mid-step")
                     self._on_device_failure(exc)
                     return
                 # Recoverable (an out-of-memory step, say): the engine frees

@@ -38,6 +38,28 @@ async def generate_all(address, prompts, max_tokens):
     return await asyncio.gather(*(generate(address, p, max_tokens) for p in prompts))
 
 
+async def generate_and_fail_midway(address, prompts, max_tokens, fail, min_tokens=5):
+    """Streams every prompt; once each has streamed min_tokens and none is near its end,
+    awaits fail() (a kill, say); returns generate()'s results."""
+    progress = [[0] for _ in prompts]
+    tasks = [asyncio.create_task(generate(address, p, max_tokens, progress=n)) for p, n in zip(prompts, progress)]
+    while min(n[0] for n in progress) < min_tokens:
+        await asyncio.sleep(0.01)
+    assert max(n[0] for n in progress) < max_tokens
+    await fail()
+    return await asyncio.gather(*tasks)
+
+
+def requeues_of_exact_results(prompts, results, hf_reference, max_tokens) -> int:
+    """Asserts each request got transformers' whole output; the requeues they went through."""
+    requeued = 0
+    for prompt, (tokens, last) in zip(prompts, results):
+        assert tokens == hf_reference(prompt, max_tokens)
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
+        requeued += last.timings.requeues
+    return requeued
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_greedy_outputs_equal_transformers_on_two_replicas(live_stack, hf_reference, policy):
     stack = live_stack(policy)
@@ -61,24 +83,12 @@ def test_replica_killed_mid_generation_loses_nothing(live_stack, hf_reference, p
     stack.start_replica("r1", "--max-num-seqs", "4")
     max_tokens = 300
 
-    async def scenario():
-        progress = [[0] for _ in PROMPTS]
-        tasks = [asyncio.create_task(generate(stack.address, p, max_tokens, progress=n))
-                 for p, n in zip(PROMPTS, progress)]
-        # Four seats each, so all eight run at once: kill r0 once every request
-        # has streamed some tokens and none is near its end.
-        while min(n[0] for n in progress) < 5:
-            await asyncio.sleep(0.01)
-        assert max(n[0] for n in progress) < max_tokens
+    async def kill_r0():
         stack.replicas["r0"].proc.send_signal(signal.SIGKILL)
-        return await asyncio.gather(*tasks)
 
-    results = asyncio.run(scenario())
-    requeued = 0
-    for prompt, (tokens, last) in zip(PROMPTS, results):
-        assert tokens == hf_reference(prompt, max_tokens)
-        assert last.finish_reason == pb.FINISH_REASON_LENGTH
-        requeued += last.timings.requeues
+    # Four seats each, so all eight run at once when r0 dies.
+    results = asyncio.run(generate_and_fail_midway(stack.address, PROMPTS, max_tokens, kill_r0))
+    requeued = requeues_of_exact_results(PROMPTS, results, hf_reference, max_tokens)
     assert requeued > 0, "the kill should have moved some requests to r1"
 
 

@@ -23,7 +23,7 @@ def full_forward_logits(model_dir, token_ids, dtype="float32", load_format="auto
     backend = TorchAttentionBackend(hf_config.num_attention_heads, hf_config.num_key_value_heads, head_dim)
     model = get_model(ModelConfig(str(model_dir), dtype=dtype, load_format=load_format), backend, "cpu", 1024)
     blocks = -(-len(token_ids) // block_size)
-    cache = KVCache(model.shape.num_layers, blocks, block_size, model.shape.num_kv_heads, head_dim, model.embed_tokens.dtype, "cpu")
+    cache = KVCache(model.shape.num_layers, blocks, block_size, model.shape.num_kv_heads, head_dim, model.embed_tokens.weight.dtype, "cpu")
     md, positions, _ = build_attention_metadata([0], [len(token_ids)], [list(range(blocks))], 1, block_size, "cpu")
     backend.prepare(md)
     with torch.inference_mode():
@@ -86,11 +86,11 @@ def test_dummy_weights_custom_shape(tmp_path):
     backend = TorchAttentionBackend(6, 3, 16)
     a = get_model(ModelConfig(str(path), load_format="dummy", seed=3), backend, "cpu", 512)
     b = get_model(ModelConfig(str(path), load_format="dummy", seed=3), backend, "cpu", 512)
-    assert a.layers[0].self_attn.qkv_proj.shape == ((6 + 2 * 3) * 16, 96)
-    assert a.layers[2].mlp.gate_up_proj.shape == (400, 96)
-    assert a.lm_head is a.embed_tokens
-    assert torch.equal(a.layers[1].mlp.down_proj, b.layers[1].mlp.down_proj)
-    assert abs(a.embed_tokens.std().item() - 0.02) < 0.002
+    assert a.layers[0].self_attn.qkv_proj.weight.shape == ((6 + 2 * 3) * 16, 96)
+    assert a.layers[2].mlp.gate_up_proj.weight.shape == (400, 96)
+    assert a.lm_head.weight is a.embed_tokens.weight
+    assert torch.equal(a.layers[1].mlp.down_proj.weight, b.layers[1].mlp.down_proj.weight)
+    assert abs(a.embed_tokens.weight.std().item() - 0.02) < 0.002
     assert torch.equal(a.norm.weight, torch.ones(96))
     logits = full_forward_logits(path, [3, 4, 5, 6, 7], load_format="dummy")
     assert logits.shape == (5, 300) and torch.isfinite(logits).all()

@@ -4,6 +4,11 @@ The forward takes every token of a mixed prefill+decode step as one flat
 batch (input_ids [T], positions [T]) and returns hidden states [T, hidden].
 q/k/v and gate/up projections are fused into single matmuls; the loader
 copies the checkpoint's separate matrices into their row slices.
+
+Under tensor parallelism (group.size > 1) every projection and the vocabulary are
+sharded (model/parallel.py): a rank holds its heads, its share of the MLP's
+intermediate features and of the vocabulary, and two all-reduces per layer (after
+o_proj and down_proj) give every rank the whole residual stream. Norms are replicated.
 """
 
 from __future__ import annotations
@@ -16,6 +21,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from replica_worker.engine.attention import AttentionBackend, AttentionMetadata
+from replica_worker.engine.distributed.group import SINGLE_RANK, TensorGroup
+from replica_worker.engine.model.parallel import (
+    ColumnParallelLinear,
+    HeadShard,
+    ParallelLMHead,
+    RowParallelLinear,
+    RowSlice,
+    VocabParallelEmbedding,
+    check_shape,
+    empty_param,
+    head_shard,
+)
 from replica_worker.engine.model.rotary import RotaryEmbedding, apply_rotary, rope_settings
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -85,16 +102,23 @@ class LlamaShape:
         )
 
 
-def _weight(*shape: int) -> nn.Parameter:
-    # Allocated on the ambient default device and dtype (see loader.model_context).
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-
 class RMSNorm(nn.Module):
+    """Replicated on every rank."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
-        self.weight = _weight(size)
+        self.weight = empty_param(size)
         self.eps = eps
+
+    def expected_loads(self) -> set[tuple[str, str]]:
+        return {("", "weight")}
+
+    def load(self, part: str, kind: str, source) -> None:
+        check_shape(source, tuple(self.weight.shape), kind)
+        self.weight.copy_(source[:])
+
+    def init_dummy(self, generator: torch.Generator, std: float) -> None:
+        self.weight.fill_(1.0)  # unit norms keep activations from vanishing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -103,28 +127,37 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def qkv_slices(s: LlamaShape, heads: HeadShard) -> list[RowSlice]:
+    d = s.head_dim
+    q = RowSlice("q", s.num_heads * d, heads.q_start * d, heads.num_heads * d)
+    k, v = (RowSlice(p, s.num_kv_heads * d, heads.kv_start * d, heads.num_kv_heads * d) for p in "kv")
+    return [q, k, v]
+
+
 class Attention(nn.Module):
-    def __init__(self, s: LlamaShape, backend: AttentionBackend) -> None:
+    """This rank's heads: q/k/v column-parallel, o_proj row-parallel over the same heads."""
+
+    def __init__(self, s: LlamaShape, backend: AttentionBackend, group: TensorGroup) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
-        self.q_size = s.num_heads * s.head_dim
-        self.kv_size = s.num_kv_heads * s.head_dim
-        self.qkv_proj = _weight(self.q_size + 2 * self.kv_size, s.hidden_size)
-        self.qkv_bias = _weight(self.q_size + 2 * self.kv_size) if s.qkv_bias else None
-        self.o_proj = _weight(s.hidden_size, self.q_size)
+        heads = head_shard(s.num_heads, s.num_kv_heads, group.rank, group.size)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, s.head_dim
+        self.q_size = heads.num_heads * s.head_dim
+        self.kv_size = heads.num_kv_heads * s.head_dim
+        self.qkv_proj = ColumnParallelLinear(s.hidden_size, qkv_slices(s, heads), bias=s.qkv_bias)
+        self.o_proj = RowParallelLinear(s.num_heads * s.head_dim, s.hidden_size, heads.q_start * s.head_dim, group)
         self.backend = backend
 
     def forward(self, x, cos, sin, kv_cache, md: AttentionMetadata) -> torch.Tensor:
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, md)
-        return F.linear(out.reshape(-1, self.q_size), self.o_proj)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
     def forward_fused(self, x, positions, cos_sin, kv_cache, md, fi) -> torch.Tensor:
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         # Out of place: q and k come back contiguous, as the attention kernels like them.
         q, k = fi.apply_rope_with_cos_sin_cache(positions, q, k, self.head_dim, cos_sin, is_neox=True)
@@ -134,31 +167,36 @@ class Attention(nn.Module):
             v.view(-1, self.num_kv_heads, self.head_dim),
             kv_cache, md,
         )
-        return F.linear(out.reshape(-1, self.q_size), self.o_proj)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, s: LlamaShape) -> None:
+    """This rank's intermediate features: gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, s: LlamaShape, group: TensorGroup) -> None:
         super().__init__()
-        self.intermediate_size = s.intermediate_size
-        self.gate_up_proj = _weight(2 * s.intermediate_size, s.hidden_size)
-        self.down_proj = _weight(s.hidden_size, s.intermediate_size)
+        rank, size = group.rank, group.size
+        self.intermediate_size = s.intermediate_size // size
+        self.gate_up_proj = ColumnParallelLinear(
+            s.hidden_size, [RowSlice.even(p, s.intermediate_size, rank, size) for p in ("gate", "up")], bias=False
+        )
+        self.down_proj = RowParallelLinear(s.intermediate_size, s.hidden_size, rank * self.intermediate_size, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
     def forward_fused(self, x: torch.Tensor, fi) -> torch.Tensor:
-        return F.linear(fi.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        return self.down_proj(fi.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, s: LlamaShape, backend: AttentionBackend) -> None:
+    def __init__(self, s: LlamaShape, backend: AttentionBackend, group: TensorGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.self_attn = Attention(s, backend)
+        self.self_attn = Attention(s, backend, group)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.mlp = MLP(s)
+        self.mlp = MLP(s, group)
 
     def forward(self, x, cos, sin, kv_cache, md):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md)
@@ -178,19 +216,23 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, hf_config, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, hf_config, backend: AttentionBackend, max_positions: int,
+                 group: TensorGroup = SINGLE_RANK) -> None:
+        """backend: built for this rank's heads (Attention.num_heads, num_kv_heads)."""
         super().__init__()
         s = self.shape = LlamaShape.from_hf_config(hf_config)
         self.hf_config = hf_config
-        self.embed_tokens = _weight(s.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(s, backend) for _ in range(s.num_layers))
+        self.group = group
+        self.embed_tokens = VocabParallelEmbedding(s.vocab_size, s.hidden_size, group)
+        self.layers = nn.ModuleList(DecoderLayer(s, backend, group) for _ in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.lm_head = self.embed_tokens if s.tie_word_embeddings else _weight(s.vocab_size, s.hidden_size)
+        self.lm_head = ParallelLMHead(s.vocab_size, s.hidden_size, group,
+                                      tied_to=self.embed_tokens if s.tie_word_embeddings else None)
+        weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(
-            rope_settings(hf_config), s.head_dim, max_positions,
-            dtype=self.embed_tokens.dtype, device=self.embed_tokens.device,
+            rope_settings(hf_config), s.head_dim, max_positions, dtype=weight.dtype, device=weight.device,
         )
-        self.fused = fused_kernels(self.embed_tokens.device, self.embed_tokens.dtype)
+        self.fused = fused_kernels(weight.device, weight.dtype)
 
     def forward(
         self,
@@ -202,19 +244,30 @@ class LlamaForCausalLM(nn.Module):
         if self.fused is not None:
             return self._forward_fused(input_ids, positions, kv_caches, md, self.fused)
         cos, sin = self.rotary.lookup(positions)
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, md)
         return self.norm(x)
 
     def _forward_fused(self, input_ids, positions, kv_caches, md, fi) -> torch.Tensor:
         cos_sin = self.rotary.cos_sin_cache()
-        x, residual = F.embedding(input_ids, self.embed_tokens), None
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer.forward_fused(x, residual, positions, cos_sin, kv_cache, md, fi)
         fi.fused_add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [S, vocab] for the (already selected) sampling rows."""
-        return F.linear(hidden, self.lm_head).float()
+        """float32 logits [S, vocab] for the (already selected) sampling rows, on every rank."""
+        return self.lm_head(hidden)
+
+    def weight_modules(self) -> list[nn.Module]:
+        """Every module holding checkpoint weights, in the order dummy weights are drawn
+        (the order of the parameters before they were sharded modules, so that a seed
+        draws the dummy model it always drew)."""
+        out: list[nn.Module] = [self.embed_tokens, self.lm_head]
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            out += [layer.input_layernorm, attn.qkv_proj, attn.o_proj, layer.post_attention_layernorm,
+                    mlp.gate_up_proj, mlp.down_proj]
+        return out + [self.norm]

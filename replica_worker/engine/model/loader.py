@@ -4,6 +4,11 @@ Parameters are allocated directly on the target device in the target dtype
 (no CPU copy of the model first), then filled from the checkpoint's
 *.safetensors (one file or sharded) or, with load_format "dummy", with seeded
 random values, which needs only config.json.
+
+Under tensor parallelism each rank reads only its shard of each tensor (a
+safetensors slice reads the indexed rows or columns, not the whole tensor), and
+draws dummy weights full-sized before keeping its shard, so every
+tensor-parallel size runs the same dummy model.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 
 from replica_worker.engine.attention import AttentionBackend
 from replica_worker.engine.config import ModelConfig
+from replica_worker.engine.distributed.group import SINGLE_RANK, TensorGroup
 from replica_worker.engine.model.llama import LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,13 +71,16 @@ def get_model(
     device: torch.device | str,
     max_positions: int,
     hf_config=None,
+    group: TensorGroup = SINGLE_RANK,
 ) -> LlamaForCausalLM:
     device = torch.device(device)
     hf_config = hf_config or load_hf_config(model_config.model)
     with model_context(DTYPES[model_config.dtype], device):
-        model = LlamaForCausalLM(hf_config, backend, max_positions)
+        model = LlamaForCausalLM(hf_config, backend, max_positions, group)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the full-sized draws, or the KV sizing counts them as used
     else:
         load_safetensors(model, Path(model_config.model))
     return model.eval()
@@ -79,14 +88,10 @@ def get_model(
 
 @torch.no_grad()
 def init_dummy_weights(model: LlamaForCausalLM, seed: int, std: float = 0.02) -> None:
-    device = model.embed_tokens.device
-    gen = torch.Generator(device=device)
+    gen = torch.Generator(device=model.embed_tokens.weight.device)
     gen.manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("layernorm.weight") or name == "norm.weight":
-            param.fill_(1.0)  # unit norms keep activations from vanishing
-        else:
-            param.normal_(0.0, std, generator=gen)
+    for module in model.weight_modules():
+        module.init_dummy(gen, std)
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
@@ -100,62 +105,60 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, int, int] | None:
-    """The destination tensor and the [start, end) rows that checkpoint tensor `name` fills."""
-    s = model.shape
+_NORM_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$")
+
+
+def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.nn.Module, str, str] | None:
+    """(the module checkpoint tensor `name` fills, its part in a fused projection, weight
+    or bias), or None for a tensor the model does not need."""
     m = _LAYER_RE.match(name)
     if m:
         layer_idx, block, proj, kind = int(m.group(1)), m.group(2), m.group(3), m.group(4)
         module = getattr(model.layers[layer_idx], block)
         if proj in ("q_proj", "k_proj", "v_proj"):
-            param = module.qkv_proj if kind == "weight" else module.qkv_bias
-            if param is None:
+            if kind == "bias" and module.qkv_proj.bias is None:
                 raise ValueError(f"checkpoint has {name} but the config declares no qkv bias")
-            q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-            start = {"q_proj": 0, "k_proj": q, "v_proj": q + kv}[proj]
-            return param, start, start + (q if proj == "q_proj" else kv)
-        if proj in ("gate_proj", "up_proj"):
-            start = 0 if proj == "gate_proj" else s.intermediate_size
-            return module.gate_up_proj, start, start + s.intermediate_size
+            return module.qkv_proj, proj[0], kind
+        if kind == "weight" and proj in ("gate_proj", "up_proj"):
+            return module.gate_up_proj, proj.removesuffix("_proj"), kind
         if kind == "weight" and proj in ("o_proj", "down_proj"):
-            param = getattr(module, proj)
-            return param, 0, param.shape[0]
+            return getattr(module, proj), "", kind
         raise ValueError(f"unsupported checkpoint tensor {name}")
-    m = re.match(r"^(?:model\.)?layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$", name)
+    m = _NORM_RE.match(name)
     if m:
-        param = getattr(model.layers[int(m.group(1))], m.group(2)).weight
-    elif name in ("model.embed_tokens.weight", "embed_tokens.weight"):
-        param = model.embed_tokens
-    elif name in ("model.norm.weight", "norm.weight"):
-        param = model.norm.weight
-    elif name == "lm_head.weight":
-        if s.tie_word_embeddings:
-            return None  # some tied checkpoints still ship a copy
-        param = model.lm_head
-    elif "rotary_emb" in name:
+        return getattr(model.layers[int(m.group(1))], m.group(2)), "", "weight"
+    if name in ("model.embed_tokens.weight", "embed_tokens.weight"):
+        return model.embed_tokens, "", "weight"
+    if name in ("model.norm.weight", "norm.weight"):
+        return model.norm, "", "weight"
+    if name == "lm_head.weight":
+        # Some tied checkpoints still ship a copy.
+        return None if model.lm_head.tied else (model.lm_head, "", "weight")
+    if "rotary_emb" in name:
         return None  # inv_freq buffers in old checkpoints
-    else:
-        raise ValueError(f"unsupported checkpoint tensor {name}")
-    return param, 0, param.shape[0]
+    raise ValueError(f"unsupported checkpoint tensor {name}")
 
 
 @torch.no_grad()
 def load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
     from safetensors import safe_open
 
-    filled: dict[int, int] = {}
+    loaded: set[tuple[int, str, str]] = set()
     for path in _checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 target = _target(model, name)
                 if target is None:
                     continue
-                param, start, end = target
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != (end - start, *param.shape[1:]):
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not fit rows {start}:{end} of {tuple(param.shape)}")
-                param[start:end].copy_(tensor)
-                filled[id(param)] = filled.get(id(param), 0) + (end - start)
-    missing = [n for n, p in model.named_parameters() if filled.get(id(p), 0) != p.shape[0]]
+                module, part, kind = target
+                try:
+                    module.load(part, kind, f.get_slice(name))
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+                loaded.add((id(module), part, kind))
+    names = {id(m): n for n, m in model.named_modules()}
+    missing = [f"{names[id(m)]}{'.' + part if part else ''}.{kind}"
+               for m in model.weight_modules() for part, kind in sorted(m.expected_loads())
+               if (id(m), part, kind) not in loaded]
     if missing:
         raise ValueError(f"checkpoint in {model_dir} is missing weights for: {', '.join(missing[:8])}")
