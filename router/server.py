@@ -120,6 +120,9 @@ class RouterApp:
                 ("grpc.keepalive_time_ms", 20_000),
                 ("grpc.http2.max_pings_without_data", 0),
                 ("grpc.keepalive_permit_without_calls", 1),
+                # Replicas ping every few seconds to notice a frozen router.
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
             ])
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationService(self.admission, self.table, self.config, self.metrics), self.server)

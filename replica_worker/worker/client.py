@@ -53,6 +53,7 @@ class ReplicaWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue | None = None  # the live stream's writer queue; None while away
         self._call = None
+        self._router_turn = 0
         self._last_report: EngineReport | None = None
         self._lease_ttl_s = 10.0
         self._heartbeat_s = 1.0
@@ -116,13 +117,25 @@ class ReplicaWorker:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.config.reconnect_max_s)
 
+    def _next_router(self) -> str:
+        """The routers in turn: a stream that ended (its router gone, say) is re-dialled
+        at the next address, so a replica finds a live router among several."""
+        routers = self.config.routers
+        address = routers[self._router_turn % len(routers)]
+        self._router_turn += 1
+        return address
+
     def _channel(self) -> grpc.aio.Channel:
-        options = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_permit_without_calls", 1)]
+        # Pings every few seconds: a router that froze (its process stopped, the
+        # network gone without a reset) ends the stream in about 6 s, and the
+        # worker moves on, instead of waiting for TCP to give up.
+        options = [("grpc.keepalive_time_ms", 3_000), ("grpc.keepalive_timeout_ms", 3_000),
+                   ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
         if self.config.tls_ca_file:
             with open(self.config.tls_ca_file, "rb") as f:
                 creds = grpc.ssl_channel_credentials(root_certificates=f.read())
-            return grpc.aio.secure_channel(self.config.router, creds, options=options)
-        return grpc.aio.insecure_channel(self.config.router, options=options)
+            return grpc.aio.secure_channel(self._next_router(), creds, options=options)
+        return grpc.aio.insecure_channel(self._next_router(), options=options)
 
     def _expire_if_leases_lapsed(self) -> None:
         """Away longer than a lease: the router has re-queued our work; drop it here.
