@@ -7,7 +7,8 @@ away, or this router frozen) lets the lease lapse. Every write then carries
 (id, epoch) and runs only while the lease is live (persistence/lua.py FENCE):
 a router that was cut off finds itself FENCED on its first write back and
 starts over, instead of overwriting what the others did meanwhile. Each
-router also forgets routers whose lease lapsed.
+router also forgets routers whose lease lapsed. A renewal records how many
+replicas this router has and learns how many the others have.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ log = logging.getLogger(__name__)
 
 
 class RouterLease:
-    def __init__(self, store, writer, ttl: float, interval: float):
+    def __init__(self, store, writer, ttl: float, interval: float, replica_count=lambda: 0):
         self.store = store
         self.writer = writer
         self.ttl = ttl
         self.interval = interval
+        self.replica_count = replica_count
+        self.remote_replicas = 0      # replicas of the other live routers, at the last renewal
         self.router_id = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self.epoch = ""
         self._task: asyncio.Task | None = None
@@ -36,13 +39,22 @@ class RouterLease:
         log.info("router %s holds epoch %s (lease %g s)", self.router_id, self.epoch, self.ttl)
 
     def start(self) -> None:
+        self._renew()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="router-lease")
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            self.writer.post(self.store.renew_router(self.ttl))
+            self._renew()
             self.writer.post(self.store.sweep_routers()).on_done = self._swept
+
+    def _renew(self) -> None:
+        self.writer.post(self.store.renew_router(self.ttl, self.replica_count())).on_done = \
+            self._renewed
+
+    def _renewed(self, others) -> None:
+        if isinstance(others, int):
+            self.remote_replicas = others
 
     @staticmethod
     def _swept(dead) -> None:

@@ -32,7 +32,8 @@ from router.malformed import MalformedInterceptor
 from router.metrics import Metrics
 from router.persistence.store import Store
 from router.persistence.writer import RedisWriter
-from router.recovery import Reaper, recover
+from router.events import EventReader
+from router.reaper import Reaper
 from router.replicas.gateway import ReplicaGateway
 from router.replicas.ops import ReplicaOps
 from router.replicas.registry import Registry
@@ -70,17 +71,20 @@ class RouterApp:
         self.scheduler = PullScheduler(self.table, self.store, self.writer, config.policy,
                                        config.lease_ttl)
         self.ops = ReplicaOps(self.table, self.scheduler, self.registry, self.metrics,
-                              self.limits.vocab_size, config.lease_ttl)
+                              self.limits.vocab_size, config.lease_ttl, self.store, self.writer)
         self.admission = Admission(config, self.limits, self.table, self.scheduler, self.registry,
                                    self.writer, self.store, self.metrics)
         self.reaper = Reaper(self.table, self.ops, self.registry, self.writer, self.store,
-                             self.metrics, config)
+                             self.metrics, config, self.scheduler)
         self.lease = RouterLease(self.store, self.writer, config.router_lease_ttl,
-                                 config.heartbeat_interval)
+                                 config.heartbeat_interval, lambda: len(self.registry))
+        self.admission.replicas_elsewhere = lambda: self.lease.remote_replicas
         self.fenced = asyncio.Event()
         self.writer.on_fenced = lambda reason: self.fenced.set()
-        self.table.on_queued = self.scheduler.kick
+        self.table.on_queued = self.scheduler.work_arrived
         self.table.on_cancel_running = self._cancel_on_replica
+        self.table.on_release_running = self._release_on_replica
+        self.events: EventReader | None = None   # once the lease names this router
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.port = 0
@@ -92,6 +96,11 @@ class RouterApp:
         session = self.registry.get(owner)
         if session is not None:
             session.send_cancel([rid])
+
+    def _release_on_replica(self, owner: str, rid: str) -> None:
+        session = self.registry.get(owner)
+        if session is not None:
+            session.remember_released(rid)
 
     def _on_stall(self, stalled: bool) -> None:
         self.metrics.redis_stalled.set(1 if stalled else 0)
@@ -107,7 +116,10 @@ class RouterApp:
         await self.lease.acquire()
         self.writer.start()
         self.lease.start()
-        await recover(self.table, self.store, self.writer, self.config.lease_ttl)
+        self.events = EventReader(self.store, self.table, self.scheduler, self.lease.router_id,
+                                  self.config.redis_timeout)
+        self.table.on_reload = self.events.reload
+        self.events.start()
         self.scheduler.start()
         keys = self.config.api_key_set
         interceptors = [MalformedInterceptor(frozenset({GENERATE_METHOD}))]
@@ -176,6 +188,7 @@ class RouterApp:
             log.warning("%d writes were not durable within %g s; replicas still hold their "
                         "output", self.writer.pending, self.config.shutdown_timeout)
         self.table.detach_clients(SHUTDOWN_MESSAGE)
+        await self._stop_events()
         await asyncio.sleep(0)  # let the client streams see it before the server cancels them
         if self.http is not None:
             await self.http.stop()
@@ -196,6 +209,7 @@ class RouterApp:
         for session in list(self.registry.sessions.values()):
             session.close(grpc.StatusCode.UNAVAILABLE, "the router lost its Redis lease; reconnect")
         self.table.detach_clients(FENCED_MESSAGE)
+        await self._stop_events()
         await asyncio.sleep(0)
         if self.http is not None:
             await self.http.stop()
@@ -203,6 +217,10 @@ class RouterApp:
             await self.server.stop(0)
         await self.writer.stop()
         await self._close()
+
+    async def _stop_events(self) -> None:
+        if self.events is not None:
+            await self.events.stop()
 
     async def _close(self) -> None:
         await self.store.close()

@@ -19,6 +19,7 @@ import grpc
 from common.pb.quadriga.v1 import replica_pb2 as rpb
 from common.pb.quadriga.v1 import replica_pb2_grpc
 from router.malformed import MalformedMessage
+from router.persistence.writer import PermanentWriteError
 from router.replicas.ops import ReplicaFault
 from router.replicas.registry import ReplicaSession
 
@@ -71,7 +72,10 @@ class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
         it = request_iterator.__aiter__()
         reg = await self._register(it, context)
         session = ReplicaSession(reg.replica_id, reg, self.metrics)
-        keep = self.ops.join(session, list(reg.held_request_ids))
+        try:
+            keep = await self.ops.join(session, list(reg.held_request_ids))
+        except PermanentWriteError as exc:  # fenced: this router is starting over
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the router cannot take replicas: {exc}")
         log.info("replica %s joined (model %s, keeps %d)", session.id, reg.model, len(keep))
         session.send(rpb.RouterMessage(registered=rpb.Registered(
             heartbeat_interval_s=self.config.heartbeat_interval, lease_ttl_s=self.config.lease_ttl,

@@ -6,6 +6,12 @@ arrival, a requeue): no timers, no busy loop. Pops go through the ordered
 Redis writer, so a stalled Redis pauses dispatch and nothing else. The atomic
 Lua pop gives each request to exactly one replica. An Assign is sent the
 moment its pop returns, before anything else is done.
+
+The shared queue is shared by every router on the Redis: what waits in it
+is known from arrivals (this router's, and other routers' through their
+kick events, events.py), not from memory. A pop takes requests this router
+does not hold with their record (lazy adoption). Per-replica policies pop a
+replica's own queue first, then the shared queue.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import logging
 import time
 import uuid
 
+from router.requests.record import state_from_record
 from router.requests.request import Phase
 from router.scheduling.credit import Credit
 from router.scheduling.policies import PENDING, make_policy, replica_queue
@@ -36,6 +43,10 @@ class PullScheduler:
         self._task: asyncio.Task | None = None
         self._pop_ids = itertools.count()
         self._pop_prefix = uuid.uuid4().hex[:12]
+        self._shared_work = True   # the shared queue may hold work (cleared by an empty pop)
+        # Replicas whose own queue may hold work this router does not hold (placed by
+        # an earlier router); cleared by an empty pop.
+        self._own_work: set[str] = set()
         self.paused = False
 
     # ---- what the policy context offers ----
@@ -49,6 +60,7 @@ class PullScheduler:
         limit = cap.max_num_seqs + cap.prefetch if cap.max_num_seqs else 0
         self._sessions[session.id] = session
         self._credit[session.id] = Credit(seat_limit=limit)
+        self._own_work.add(session.id)
         self.policy.on_replica_joined(session)
         if self.policy.per_replica_queues:
             self.redistribute(PENDING)
@@ -118,6 +130,12 @@ class PullScheduler:
     def kick(self) -> None:
         self._wake.set()
 
+    def work_arrived(self) -> None:
+        """Something may wait in the shared queue (an arrival, a requeue, here or
+        at another router)."""
+        self._shared_work = True
+        self._wake.set()
+
     async def _run(self) -> None:
         while not self.paused:
             await self._wake.wait()
@@ -141,13 +159,21 @@ class PullScheduler:
                 out.append((credit.pulled_at, session))
         return [s for _, s in sorted(out, key=lambda x: x[0])]
 
+    def _queue_for(self, session) -> str | None:
+        own = self.policy.pull_queue(session)
+        if own != PENDING and (self.table.queued_count(own) > 0 or session.id in self._own_work):
+            return own
+        if self._shared_work or self.table.queued_count(PENDING) > 0:
+            return PENDING
+        return None
+
     async def _round(self) -> None:
         progress = True
         while progress and not self.paused:
             progress = False
             for session in self._pullers():
-                queue = self.policy.pull_queue(session)
-                if self.table.queued_count(queue) > 0:
+                queue = self._queue_for(session)
+                if queue is not None:
                     progress |= await self._serve(session, queue)
 
     async def _serve(self, session, queue: str) -> bool:
@@ -155,23 +181,21 @@ class PullScheduler:
         seats = credit.seats(len(self.table.owned_by(session.id)))
         now = time.time()
         token = f"{self._pop_prefix}:{next(self._pop_ids)}"
-        ids = await self.writer.call(self.store.pop(
-            queue, session.id, seats, credit.token_limit, now + self.lease_ttl, now, token))
-        if not ids:
+        if queue == PENDING:
+            self._shared_work = False   # an arrival during the pop sets it again
+        popped = self.store.popped(await self.writer.call(self.store.pop(
+            queue, session.id, seats, credit.token_limit, now + self.lease_ttl, now, token)))
+        if not popped:
+            if queue != PENDING:
+                self._own_work.discard(session.id)
+                return self._shared_work   # the shared queue is next
             return False
-        taken = []
-        for raw in ids:
-            rid = raw.decode()
-            req = self.table.get(rid)
-            if req is None:
-                log.error("popped %s, which this router does not hold; its lease will lapse", rid)
-                continue
-            if req.phase is not Phase.QUEUED:
-                continue  # cancelled or withdrawn while the pop was in flight; Redis follows
-            self.table.assign(req, session.id)
+        if queue == PENDING:
+            self._shared_work = True
+        taken = await self._take(session, popped)
+        for req in taken:
             if self._credit.get(session.id) is credit:
                 credit.spend(req.context_len)
-            taken.append(req)
         if not taken:
             return True
         if session.closed or self._sessions.get(session.id) is not session:
@@ -181,3 +205,34 @@ class PullScheduler:
             return True
         session.send_assignments(taken)
         return True
+
+    async def _take(self, session, popped) -> list:
+        """The requests a pop took for this session, as this router now holds them."""
+        taken, stale = [], []
+        for p in popped:
+            req = self.table.get(p.id)
+            if req is None:
+                if p.record is None:
+                    log.error("popped %s, which this router should hold and does not; its "
+                              "lease will lapse and it is requeued", p.id)
+                    continue
+                req = state_from_record(p.record)
+                self.table.adopt_popped(req, session.id, p)
+            elif req.phase not in (Phase.QUEUED, Phase.REMOTE):
+                continue  # cancelled or withdrawn while the pop was in flight; Redis follows
+            else:
+                if len(req.tokens) != p.output_len:
+                    stale.append(req)   # output recorded by another router that it has not seen
+                self.table.assign(req, session.id, p)
+            taken.append(req)
+        if stale:
+            try:
+                records = await self.store.load_requests([r.id for r in stale])
+            except Exception as exc:  # it cannot start from output it does not have
+                log.warning("reading %d popped requests back failed (%s); requeued", len(stale), exc)
+                for req in stale:
+                    self.table.requeue(req, self.requeue_queue(req.cost, None), "resync_failed")
+                records = []
+            for req, rec in zip(stale, records):
+                self.table.resync(req, rec)
+        return [r for r in taken if r.phase is Phase.RUNNING and r.owner == session.id]

@@ -25,8 +25,8 @@ def submit(store, rid, prompt_len=1, token="t", arrival=1000.0, priority=0, queu
 
 
 async def pop(writer, store, n, tokens, token, queue="pending", replica="rep"):
-    ids = await writer.call(store.pop(queue, replica, n, tokens, 2e9, 1.0, token))
-    return [i.decode() for i in ids]
+    reply = await writer.call(store.pop(queue, replica, n, tokens, 2e9, 1.0, token))
+    return [p.id for p in store.popped(reply)]
 
 
 def test_pop_takes_while_token_credit_is_left(redis_url, arun):
@@ -94,9 +94,10 @@ def test_every_script_run_twice_is_run_once(redis_url, arun):
             assert await pop(writer, store, 5, None, "p1") == ["a"]  # a retried pop: what it took
             assert await r.hget("idem:req:a", "n") == b"1"
 
-            step = [("a", 0, pack_tokens([7, 8]), 0, b"xy", "1.0", "", 0, "", "", "", "", "", 0, b"", "")]
+            step = [("a", 0, pack_tokens([7, 8]), 0, b"xy", "1.0", "", 0, "", "", "", "", "", 0, b"",
+                     "", 1)]
             for _ in range(2):
-                await writer.call(store.step([v for item in step for v in item]))
+                assert await writer.call(store.step([v for item in step for v in item])) == [1]
             assert await r.get("idem:out:a") == pack_tokens([7, 8])
             assert await r.get("idem:txt:a") == b"xy"
 

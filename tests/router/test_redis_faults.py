@@ -32,8 +32,9 @@ def proxy(redis_server):
 
 
 def permanent(name: str) -> bool:
-    """Keys that live as long as the deployment: counters, the live set, router leases."""
-    return name in ("seq", "live", "epoch", "routers") or name.startswith("router:")
+    """Keys that live as long as the deployment: counters, the live set, router
+    leases and each live router's event stream."""
+    return name in ("seq", "ao", "live", "epoch", "routers") or name.startswith(("router:", "ev:"))
 
 
 async def keys_without_ttl(store) -> list[str]:

@@ -1,4 +1,5 @@
-"""A router and replica workers as real processes, for end-to-end tests."""
+"""Routers and replica workers as real processes, for end-to-end tests: one
+router (LiveStack), or several sharing one Redis (RouterTier)."""
 
 from __future__ import annotations
 
@@ -26,12 +27,16 @@ class LiveStack:
         return f"127.0.0.1:{self.port}"
 
     def start_router(self) -> None:
-        self.router = Child("router", [
-            "-m", "router", "--port", str(self.port), "--host", "127.0.0.1",
+        self.router = self._router_child("router", self.port)
+
+    def _router_child(self, name: str, port: int) -> Child:
+        child = Child(name, [
+            "-m", "router", "--port", str(port), "--host", "127.0.0.1",
             "--redis-url", self.redis_url, "--policy", self.policy, "--model", self.model,
             "--lease-ttl", "3", "--heartbeat-interval", "0.5", *self.router_args,
         ], self.log_dir)
-        wait_for_health(self.address, self.router, timeout=60)
+        wait_for_health(f"127.0.0.1:{port}", child, timeout=60)
+        return child
 
     def start_replica(self, replica_id: str, *args: str, wait: bool = True,
                       router: str | None = None) -> Child:
@@ -71,3 +76,38 @@ class LiveStack:
             child.stop(timeout=10)
         if self.router is not None:
             self.router.stop(timeout=10)
+
+
+class RouterTier(LiveStack):
+    """Several routers on one Redis and key prefix, each its own process and
+    port; router i logs to router{i}.log. `router` is router 0."""
+
+    def __init__(self, log_dir: Path, redis_url: str, model: str, count: int,
+                 policy: str = "pull", router_args: tuple[str, ...] = ()):
+        super().__init__(log_dir, redis_url, model, policy, router_args)
+        self.ports = [self.port] + [free_port() for _ in range(count - 1)]
+        self.routers: list[Child | None] = [None] * count
+
+    def address_of(self, i: int) -> str:
+        return f"127.0.0.1:{self.ports[i]}"
+
+    def addresses(self, *order: int) -> list[str]:
+        """The routers' addresses in this order (default: all, in index order)."""
+        return [self.address_of(i) for i in (order or range(len(self.ports)))]
+
+    def start_router(self, i: int | None = None) -> None:
+        """Router i (again, after a kill), or every router not running."""
+        for k in ([i] if i is not None else range(len(self.ports))):
+            if self.routers[k] is None or not self.routers[k].alive():
+                self.routers[k] = self._router_child(f"router{k}", self.ports[k])
+        self.router = self.routers[0]
+
+    def log_of(self, i: int) -> str:
+        return (self.log_dir / f"router{i}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        for child in self.replicas.values():
+            child.stop(timeout=10)
+        for child in self.routers:
+            if child is not None:
+                child.stop(timeout=10)

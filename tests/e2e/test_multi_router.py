@@ -1,0 +1,197 @@
+"""Several active routers on one Redis, as real processes with real replica
+engines: a request accepted by one router runs on a replica of another, its
+tokens reach the client in order and exactly once, and any router can stop,
+die or freeze while its clients and replicas carry on through the others.
+
+Every output is checked token for token against transformers' greedy
+output; every client stream checks output_offset (no gap, no duplicate).
+"""
+
+import asyncio
+import signal
+import time
+
+import pytest
+import redis
+
+from client.api import FailoverStream, make_request
+from common.pb.quadriga.v1 import generation_pb2 as pb
+from tests.e2e.test_end_to_end import PROMPTS
+from stack.processes import wait_for_health
+
+MAX_TOKENS = 48
+
+
+class Follower:
+    """One request through FailoverStream over `routers`, recording progress."""
+
+    def __init__(self, routers, prompt, request_id: str, max_tokens: int = MAX_TOKENS):
+        self.prompt, self.max_tokens = prompt, max_tokens
+        self.stream = FailoverStream(routers, make_request(
+            prompt, request_id=request_id, max_tokens=max_tokens, temperature=0.0,
+            ignore_eos=True), attempt_timeout=120)
+        self.progress = 0
+
+    async def run(self):
+        tokens, last = [], None
+        async for msg in self.stream:
+            assert msg.output_offset == len(tokens), "a gap or a duplicate reached the client"
+            tokens.extend(msg.token_ids)
+            self.progress = len(tokens)
+            last = msg
+        return tokens, last
+
+
+def check_exact(followers, results, hf_reference, recomputed_allowed=False):
+    for f, (tokens, last) in zip(followers, results):
+        assert tokens == hf_reference(f.prompt, f.max_tokens)
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
+        assert "CANCELLED" not in f.stream.broken, f.stream.broken
+        if not recomputed_allowed:
+            assert last.timings.requeues == 0, "a request was recomputed"
+
+
+async def until_streaming(followers, running: int):
+    deadline = time.monotonic() + 90
+    while sum(f.progress >= 3 for f in followers) < running:
+        assert time.monotonic() < deadline, "the requests never got going"
+        await asyncio.sleep(0.05)
+    assert max(f.progress for f in followers) < MAX_TOKENS
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_clients_on_one_router_replicas_on_others(router_tier, hf_reference, count):
+    """Router 0 has the clients and no replica; the replicas are on the others.
+    Every request is accepted by one router and run through another."""
+    tier = router_tier(count, router_args=("--lease-ttl", "20"))
+    for i in range(2):
+        back = 1 + i % (count - 1)
+        tier.start_replica(f"r{i}", "--max-num-seqs", "4", router=tier.address_of(back))
+
+    async def scenario():
+        followers = [Follower([tier.address_of(0)], p, f"multi{count}-{i}")
+                     for i, p in enumerate(PROMPTS)]
+        return followers, await asyncio.gather(*(f.run() for f in followers))
+
+    followers, results = asyncio.run(scenario())
+    check_exact(followers, results, hf_reference)
+    assert {last.timings.replica_id for _, last in results} == {"r0", "r1"}
+    assert all(not f.stream.broken for f in followers)
+    assert "joined" not in tier.log_of(0)
+    assert tier.replica_failures() == []
+
+
+@pytest.mark.parametrize("role", ["front", "back"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_router_stopped_mid_stream_loses_and_recomputes_nothing(router_tier, hf_reference,
+                                                                 sig, role):
+    """Three routers: clients on router 0, both replicas (two seats each) on
+    router 1. Stopping the clients' router (front) makes every client re-attach
+    at router 2; stopping the replicas' router (back) moves the replicas to
+    router 2, which adopts their running work, while the clients' streams go on."""
+    tier = router_tier(3, router_args=("--lease-ttl", "20"))
+    for i in range(2):
+        tier.start_replica(f"r{i}", "--max-num-seqs", "2", router=",".join(tier.addresses(1, 2, 0)))
+    victim = 0 if role == "front" else 1
+
+    async def scenario():
+        followers = [Follower(tier.addresses(0, 2, 1), p, f"{sig.name}-{role}-{i}")
+                     for i, p in enumerate(PROMPTS)]
+        tasks = [asyncio.create_task(f.run()) for f in followers]
+        await until_streaming(followers, running=4)
+        tier.routers[victim].proc.send_signal(sig)
+        code = await asyncio.to_thread(tier.routers[victim].proc.wait, 30)
+        if sig == signal.SIGTERM:
+            assert code == 0, tier.routers[victim].tail()
+        return followers, await asyncio.gather(*tasks)
+
+    followers, results = asyncio.run(scenario())
+    check_exact(followers, results, hf_reference)
+    broke = sum(bool(f.stream.broken) for f in followers)
+    if role == "front":
+        assert broke == len(followers), "every client of the stopped router must have moved"
+        assert "joined" not in tier.log_of(2)
+    else:
+        assert broke == 0, [f.stream.broken for f in followers]
+        assert "replica r0 joined (model" in tier.log_of(2)
+        assert "replica r1 joined (model" in tier.log_of(2)
+    assert tier.replica_failures() == []
+
+
+def test_a_router_frozen_past_its_lease_is_fenced_and_rejoins(router_tier, hf_reference):
+    """Router 0 (the clients' router, and replica r0's) is stopped past its
+    router lease: its clients and r0 move to router 1, which adopts r0's
+    running work; once it runs again its first write is refused (FENCED), it
+    starts over as a new router on the same port and serves again."""
+    tier = router_tier(2, router_args=("--lease-ttl", "20", "--router-lease-ttl", "2"))
+    tier.start_replica("r0", "--max-num-seqs", "2", router=",".join(tier.addresses(0, 1)))
+    tier.start_replica("r1", "--max-num-seqs", "2", router=",".join(tier.addresses(1, 0)))
+    frozen = tier.routers[0]
+
+    async def scenario():
+        followers = [Follower(tier.addresses(0, 1), p, f"frozen-{i}") for i, p in enumerate(PROMPTS)]
+        tasks = [asyncio.create_task(f.run()) for f in followers]
+        await until_streaming(followers, running=4)
+        frozen.proc.send_signal(signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            while not all(f.stream.broken for f in followers):   # keepalive ends their streams
+                assert time.monotonic() < deadline, "clients never left the frozen router"
+                await asyncio.sleep(0.1)
+            while "replica r0 joined (model" not in tier.log_of(1):
+                assert time.monotonic() < deadline, "r0 never left the frozen router"
+                await asyncio.sleep(0.1)
+        finally:
+            frozen.proc.send_signal(signal.SIGCONT)
+        results = await asyncio.gather(*tasks)
+        while "fenced: starting over" not in tier.log_of(0):
+            assert time.monotonic() < deadline, "the frozen router was not fenced"
+            await asyncio.sleep(0.1)
+        await asyncio.to_thread(wait_for_health, tier.address_of(0), frozen, 30)
+        again = Follower([tier.address_of(0)], PROMPTS[0], "after-the-freeze")
+        return followers + [again], results + [await again.run()]
+
+    followers, results = asyncio.run(scenario())
+    check_exact(followers, results, hf_reference)
+    assert frozen.alive()
+    assert tier.replica_failures() == []
+
+
+def test_pull_keeps_arrival_order_across_routers(router_tier, hf_reference):
+    """Two routers, one replica each, two seats each; requests arrive at both in
+    turn and queue. One shared queue, popped atomically from its head: requests
+    are assigned in queue (arrival) order, except that a request can only be
+    passed by one that was already popped before it was stored (the bound in
+    docs/router.md: submit latency and the routers' clocks)."""
+    tier = router_tier(2, router_args=("--lease-ttl", "20"))
+    tier.start_replica("r0", "--max-num-seqs", "2", router=tier.address_of(0))
+    tier.start_replica("r1", "--max-num-seqs", "2", router=tier.address_of(1))
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS]
+
+    async def scenario():
+        followers, tasks = [], []
+        for i, p in enumerate(prompts):
+            f = Follower([tier.address_of(i % 2)], p, f"order-{i:02d}", max_tokens=24)
+            followers.append(f)
+            tasks.append(asyncio.create_task(f.run()))
+            await asyncio.sleep(0.03)
+        return followers, await asyncio.gather(*tasks)
+
+    followers, results = asyncio.run(scenario())
+    check_exact(followers, results, hf_reference)
+    r = redis.Redis.from_url(tier.redis_url)
+    try:
+        recs = [{k.decode(): v.decode() for k, v in r.hgetall(f"quadriga:req:order-{i:02d}").items()}
+                for i in range(len(prompts))]
+    finally:
+        r.close()
+    assert {rec["fe"] for rec in recs[0::2]} != {rec["fe"] for rec in recs[1::2]}
+    by_queue = sorted(recs, key=lambda rec: rec["m"])
+    passed = 0
+    for i, early in enumerate(by_queue):
+        for late in by_queue[i + 1:]:
+            if int(late["ao"]) < int(early["ao"]):
+                passed += 1
+                assert float(early["sat"]) > float(late["pat"]), (early, late)
+    assert passed <= 2, f"{passed} requests were passed by later ones"
+    assert {last.timings.replica_id for _, last in results} == {"r0", "r1"}
