@@ -104,7 +104,9 @@ class FailoverStream:
 
     def __init__(self, routers: list[str], request: pb.GenerateRequest, *, ca_file: str = "",
                  metadata=(), attempt_timeout: float | None = None, max_attempts: int = 100,
-                 retry_delay: float = 0.2):
+                 retry_delay: float = 0.2, channels: dict | None = None):
+        """channels: address -> open channel, shared by many streams (a load
+        generator); without it each attempt opens and closes its own."""
         self.routers = list(routers)
         self.request = pb.GenerateRequest()
         self.request.CopyFrom(request)
@@ -112,6 +114,7 @@ class FailoverStream:
             self.request.request_id = uuid.uuid4().hex
         self.ca_file, self.metadata = ca_file, tuple(metadata)
         self.attempt_timeout, self.max_attempts, self.retry_delay = attempt_timeout, max_attempts, retry_delay
+        self.channels = channels
         self.tokens = 0          # tokens delivered to the caller
         self.chars = 0           # characters of text delivered
         self.broken: list[str] = []   # how each attempt that broke ended (status names)
@@ -138,22 +141,32 @@ class FailoverStream:
             await asyncio.sleep(self.retry_delay)
 
     async def _attempt(self, address: str):
+        if self.channels is None:
+            async with aio_channel(address, self.ca_file, options=KEEPALIVE_OPTIONS) as channel:
+                async for msg in self._follow(channel):
+                    yield msg
+            return
+        if address not in self.channels:
+            self.channels[address] = aio_channel(address, self.ca_file, options=KEEPALIVE_OPTIONS)
+        async for msg in self._follow(self.channels[address]):
+            yield msg
+
+    async def _follow(self, channel):
         seen_tokens = seen_chars = 0     # what this attempt's stream has carried
-        async with aio_channel(address, self.ca_file, options=KEEPALIVE_OPTIONS) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            async for msg in stub.Generate(self.request, metadata=self.metadata,
-                                           timeout=self.attempt_timeout):
-                skip_tokens = max(0, self.tokens - msg.output_offset)
-                skip_chars = max(0, self.chars - seen_chars)
-                seen_tokens, seen_chars = msg.output_offset + len(msg.token_ids), seen_chars + len(msg.text)
-                out = pb.GenerateResponse()
-                out.CopyFrom(msg)
-                del out.token_ids[:skip_tokens]
-                del out.logprobs[:skip_tokens]
-                out.text = msg.text[skip_chars:]
-                out.output_offset = msg.output_offset + min(skip_tokens, len(msg.token_ids))
-                if not out.token_ids and not out.text and not msg.HasField("finish_reason"):
-                    continue
-                self.tokens = max(self.tokens, seen_tokens)
-                self.chars = max(self.chars, seen_chars)
-                yield out
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        async for msg in stub.Generate(self.request, metadata=self.metadata,
+                                       timeout=self.attempt_timeout):
+            skip_tokens = max(0, self.tokens - msg.output_offset)
+            skip_chars = max(0, self.chars - seen_chars)
+            seen_tokens, seen_chars = msg.output_offset + len(msg.token_ids), seen_chars + len(msg.text)
+            out = pb.GenerateResponse()
+            out.CopyFrom(msg)
+            del out.token_ids[:skip_tokens]
+            del out.logprobs[:skip_tokens]
+            out.text = msg.text[skip_chars:]
+            out.output_offset = msg.output_offset + min(skip_tokens, len(msg.token_ids))
+            if not out.token_ids and not out.text and not msg.HasField("finish_reason"):
+                continue
+            self.tokens = max(self.tokens, seen_tokens)
+            self.chars = max(self.chars, seen_chars)
+            yield out

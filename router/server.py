@@ -204,17 +204,18 @@ class RouterApp:
         self.admission.stopping = True
         self.table.stopping = True
         await self.lease.stop()
-        await self.scheduler.stop()
-        await self.reaper.stop()
         for session in list(self.registry.sessions.values()):
             session.close(grpc.StatusCode.UNAVAILABLE, "the router lost its Redis lease; reconnect")
         self.table.detach_clients(FENCED_MESSAGE)
-        await self._stop_events()
         await asyncio.sleep(0)
+        # Streams end first, so clients and replicas move on while the rest stops.
         if self.http is not None:
             await self.http.stop()
         if self.server is not None:
             await self.server.stop(0)
+        await self.scheduler.stop()
+        await self.reaper.stop()
+        await self._stop_events()
         await self.writer.stop()
         await self._close()
 

@@ -94,7 +94,12 @@ class RedisWriter:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="redis-writer")
 
     def post(self, write: Write) -> Write:
-        """Queues a write; its on_done runs once it is durable."""
+        """Queues a write; its on_done runs once it is durable. Once fenced, a
+        write fails at once (its future; on_done never runs)."""
+        if self.fenced:
+            if write.future is not None and not write.future.done():
+                write.future.set_exception(PermanentWriteError("this router was fenced"))
+            return write
         self._pending.append(write)
         if write.bounded:
             self._pending_submits += 1
