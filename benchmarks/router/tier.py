@@ -12,9 +12,9 @@ arrivals, FailoverStream over all routers, request i starting at router i mod N)
     python -m benchmarks.router.tier --routers 1 2 --replicas 8 --per-process 4 \
         --rates 20 40 --duration 3 --failover-routers 2 --out /tmp/tier.json   # a small check
 
-Per router count, rates are offered in turn until one is not sustained
-(completed < 95% of offered over the run, a request lost, or p99 added TTFT
-over --added-limit-ms). Failover (--failover-routers N, default 4): N routers at
+Per router count, rates are offered in turn until one is not sustained (a
+request lost, a backlog left at the end, or p99 added TTFT over
+--added-limit-ms; tier_report.DEFINITIONS). Failover (--failover-routers N, default 4): N routers at
 --failover-load of the highest rate N sustained (or --failover-rate); one
 router is SIGKILLed a third of the way in. Definitions are in the JSON.
 """
@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.router.overhead import ROOT, pct, scrape
+from benchmarks.router.overhead import ROOT, scrape
 from benchmarks.router.tier_report import DEFINITIONS, failover_summary, rate_summary
 from common.redis_server import RedisServer, free_port
 
@@ -96,23 +96,25 @@ class Tier:
             time.sleep(0.3)
 
     def load(self, rate: float, duration: float, seed: int, kill_at: float | None = None) -> dict:
-        """One open-loop run; with kill_at, router 1 is SIGKILLed that many seconds in."""
-        cmd = [sys.executable, "-m", "benchmarks.router.tier_load", "--routers",
-               ",".join(self.addresses), "--rate", str(rate), "--duration", str(duration),
-               "--vocab", str(self.args.vocab), "--output-tokens", str(self.args.output_tokens),
-               "--stream-interval", str(self.args.stream_interval), "--seed", str(seed)]
-        gen = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        killed_at = None
+        """One open-loop run, split over --clients load generator processes;
+        with kill_at, router 1 is SIGKILLed that many seconds in."""
+        a, k = self.args, self.args.clients
+        gens = [subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.router.tier_load", "--routers", ",".join(self.addresses),
+             "--rate", str(rate / k), "--duration", str(duration), "--vocab", str(a.vocab),
+             "--output-tokens", str(a.output_tokens), "--stream-interval", str(a.stream_interval),
+             "--seed", str(seed * 100 + i), "--first-index", str(i * 10_000_000)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True) for i in range(k)]
         if kill_at is not None:
             time.sleep(kill_at)
             self.routers[1 % self.n].send_signal(signal.SIGKILL)
-            killed_at = kill_at
-        out, _ = gen.communicate()
-        if gen.returncode != 0:
-            raise SystemExit(f"load generator failed; see {self.log.name}")
-        result = json.loads(out.strip().splitlines()[-1])
-        result["killed_at_s"] = killed_at
-        return result
+        records = []
+        for gen in gens:
+            out, _ = gen.communicate()
+            if gen.returncode != 0:
+                raise SystemExit(f"load generator failed; see {self.log.name}")
+            records += json.loads(out.strip().splitlines()[-1])["records"]
+        return dict(offered_rps=rate, records=records, killed_at_s=kill_at)
 
     def stop(self) -> None:
         for proc in self.sims + self.routers:
@@ -176,6 +178,7 @@ def parse_args(argv=None):
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--stream-interval", type=int, default=1)
+    p.add_argument("--clients", type=int, default=1, help="load generator processes")
     p.add_argument("--added-limit-ms", type=float, default=500.0)
     p.add_argument("--failover-routers", type=int, default=4, help="0: no failover run")
     p.add_argument("--failover-load", type=float, default=0.7)
@@ -203,7 +206,7 @@ def main(argv=None) -> int:
         if rate is None:
             same = [t for t in tiers if t["routers"] == args.failover_routers]
             base = same[0]["sustained_offered_rps"] if same else max(t["sustained_offered_rps"] for t in tiers)
-            rate = args.failover_load * base
+            rate = args.failover_load * (base or min(args.rates))
         result["failover"] = failover(args, work, model, rate)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
