@@ -108,6 +108,29 @@ def _config(arch: str, vocab_size: int, bos: int, eos: int, **overrides):
     raise ValueError(f"unknown architecture {arch!r}; expected one of {ARCHITECTURES}")
 
 
+def build_tokenizer_and_config(
+    out_dir: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    vocab_size: int = 512,
+    **config_overrides,
+):
+    """The tokenizer and config.json of a tiny model, no weights: all a router
+    reads of a model folder, and it needs no torch. Returns the config."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, vocab_size=vocab_size, seed=seed)
+    config = _config(
+        arch,
+        vocab_size=len(tokenizer),
+        bos=tokenizer.bos_token_id,
+        eos=tokenizer.eos_token_id,
+        **config_overrides,
+    )
+    config.save_pretrained(str(out))
+    return config
+
+
 def build_tiny_model(
     out_dir: str | Path,
     arch: str = "llama",
@@ -132,16 +155,7 @@ def build_tiny_model(
     stamp_file = out / "quadriga_tiny_model.stamp"
     if stamp_file.exists() and stamp_file.read_text() == digest:
         return out
-    out.mkdir(parents=True, exist_ok=True)
-
-    tokenizer = build_tokenizer(out, vocab_size=vocab_size, seed=seed)
-    config = _config(
-        arch,
-        vocab_size=len(tokenizer),
-        bos=tokenizer.bos_token_id,
-        eos=tokenizer.eos_token_id,
-        **config_overrides,
-    )
+    config = build_tokenizer_and_config(out, arch, seed, vocab_size, **config_overrides)
     torch.manual_seed(seed)
     model_cls = {
         "llama": tf.LlamaForCausalLM,

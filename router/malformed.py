@@ -43,11 +43,16 @@ def _safe(method: str, deserialize):
     return parse
 
 
+def check_message(msg):
+    """msg itself, or MalformedMessage raised for one that did not parse."""
+    if isinstance(msg, Malformed):
+        raise MalformedMessage(msg.describe())
+    return msg
+
+
 async def _checked_stream(iterator):
     async for msg in iterator:
-        if isinstance(msg, Malformed):
-            raise MalformedMessage(msg.describe())
-        yield msg
+        yield check_message(msg)
 
 
 def _wrap(method: str, handler: grpc.RpcMethodHandler, checks_itself: bool) -> grpc.RpcMethodHandler:
@@ -57,6 +62,10 @@ def _wrap(method: str, handler: grpc.RpcMethodHandler, checks_itself: bool) -> g
     parse = _safe(method, deserialize)
     serialize = handler.response_serializer
     if handler.request_streaming:
+        if handler.response_streaming and checks_itself:
+            # The replica stream: its reader raises MalformedMessage itself (check_message).
+            return grpc.stream_stream_rpc_method_handler(handler.stream_stream, request_deserializer=parse,
+                                                         response_serializer=serialize)
         if handler.response_streaming:
             inner_ss = handler.stream_stream
 

@@ -34,7 +34,7 @@ from router.persistence.store import Store
 from router.persistence.writer import RedisWriter
 from router.events import EventReader
 from router.reaper import Reaper
-from router.replicas.gateway import ReplicaGateway
+from router.replicas.gateway import CONNECT_METHOD, ReplicaGateway
 from router.replicas.ops import ReplicaOps
 from router.replicas.registry import Registry
 from router.requests.table import RequestTable
@@ -122,7 +122,7 @@ class RouterApp:
         self.events.start()
         self.scheduler.start()
         keys = self.config.api_key_set
-        interceptors = [MalformedInterceptor(frozenset({GENERATE_METHOD}))]
+        interceptors = [MalformedInterceptor(frozenset({GENERATE_METHOD, CONNECT_METHOD}))]
         if keys:
             interceptors.insert(0, ApiKeyInterceptor(keys))
         self.server = grpc.aio.server(

@@ -58,8 +58,10 @@ def gauge(url: str, name: str) -> float:
 class Load:
     """Poisson arrivals of greedy requests against the router, with pause()."""
 
-    def __init__(self, address: str, vocab: int, seed: int = 0):
-        self.address, self.vocab = address, vocab
+    def __init__(self, address: str, vocab: int, seed: int = 0, tag: str = "soak"):
+        # tag: request ids are tag-n; each Load needs its own, or a later one would
+        # re-attach to an earlier one's finished results
+        self.address, self.vocab, self.tag = address, vocab, tag
         self.rng = random.Random(seed)
         self.running = asyncio.Event()
         self.running.set()
@@ -73,12 +75,11 @@ class Load:
         from common.pb.quadriga.v1 import generation_pb2 as gpb
 
         req = gpb.GenerateRequest(
-            request_id=f"soak-{n}",
+            request_id=f"{self.tag}-{n}",
             prompt_token_ids=[self.rng.randrange(3, self.vocab) for _ in range(self.rng.randint(16, 96))],
             sampling=gpb.SamplingParams(max_tokens=self.rng.randint(16, 64), temperature=0.0,
                                         ignore_eos=True))
         start, ttft, finished = time.monotonic(), float("nan"), False
-        self.inflight += 1
         try:
             for _ in range(100):  # re-attach by request_id across the router's restart
                 try:
@@ -104,9 +105,10 @@ class Load:
             stub = generation_pb2_grpc.GenerationStub(channel)
             tasks, n, end = set(), len(self.done) + self.inflight, time.monotonic() + seconds
             while time.monotonic() < end:
-                await self.running.wait()
                 await asyncio.sleep(self.rng.expovariate(rate))
+                await self.running.wait()  # after the gap: nothing may start once paused
                 n += 1
+                self.inflight += 1  # counted before the task first runs, so drained() sees it
                 t = asyncio.create_task(self.one(stub, n))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
@@ -121,7 +123,7 @@ class Load:
 
 
 async def probe(stack: FaultStack, vocab: int, rate: float, seconds: float) -> dict:
-    load = Load(stack.address, vocab, seed=int(rate * 1000))
+    load = Load(stack.address, vocab, seed=int(rate * 1000), tag=f"probe-{rate:g}")
     await load.drive(rate, seconds)
     ttfts = [t for _, t, ok in load.done if ok]
     return {"rate": rate, "requests": len(load.done), "failed": load.failed,
@@ -155,6 +157,12 @@ class Watch:
             row[f"{rid}_rss_mb"] = round(rss_mb(child.proc.pid), 1)
             row[f"{rid}_kv_in_use_when_idle"] = gauge(
                 f"http://127.0.0.1:{self.metrics[rid]}/metrics", "vllm:kv_cache_usage_perc")
+        inflight = [m.decode() for m in self.redis.zrange(prefix + "inflight", 0, 9)]
+        if inflight:  # which requests, and what their records say, so a leak can be followed
+            row["inflight_ids"] = {rid: {k.decode(): v.decode(errors="replace")[:40] for k, v in
+                                         self.redis.hgetall(prefix + "req:" + rid).items()
+                                         if k in (b"st", b"o", b"n", b"rq", b"fin", b"fr")}
+                                   for rid in inflight}
         row["redis_inflight"] = self.redis.zcard(prefix + "inflight")
         row["redis_live"] = self.redis.scard(prefix + "live")
         row["redis_keys"] = self.redis.dbsize()

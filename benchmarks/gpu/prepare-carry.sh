@@ -24,10 +24,11 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
       --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64)
 # hiredis is redis[hiredis]'s extra, apache-tvm-ffi flashinfer's own dependency, and
-# starlette and pydantic (with theirs) are what fastapi needs beyond the image:
+# starlette, pydantic (with theirs), opentelemetry-api and annotated-doc are what fastapi
+# needs beyond the image:
 # --no-deps fetches none of them by itself.
 python3 -m pip download -q --no-deps "${plat[@]}" -d "$dir" "${wheels[@]}" hiredis 'apache-tvm-ffi>=0.1.11,<0.2' \
-  starlette pydantic pydantic-core annotated-types typing-inspection
+  starlette pydantic pydantic-core annotated-types typing-inspection opentelemetry-api annotated-doc
 python3 -m pip download -q --no-deps -d "$tmp" "${flashinfer[@]}"
 ( cd "$tmp" && python3 -m zipfile -e flashinfer_python-*.whl unpacked >/dev/null \
   && cd unpacked && tar cf - flashinfer flashinfer_python-*.dist-info | xz -T0 -6 > "$dir/flashinfer.tar.xz" )

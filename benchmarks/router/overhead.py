@@ -27,16 +27,14 @@ import asyncio
 import json
 import os
 import random
-import re
 import shlex
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from common.redis_server import free_port
+from benchmarks.router.local_router import LocalRouter, cpu_seconds, project_env, scrape  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -63,24 +61,11 @@ def pct(values, q):
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^(quadriga_\w+?)(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
-        if m:
-            totals[m.group(1)] = totals.get(m.group(1), 0.0) + float(m.group(2))
-    return totals
-
 
 def redis_calls(r) -> int:
     stats = r.info("commandstats")
     return sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info",))
 
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- load generator (runs in its own process: --client) ----
@@ -158,10 +143,6 @@ def client_main(args) -> int:
 
 # ---- orchestration ----
 
-def start(cmd, log):
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -183,46 +164,6 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def start_stack(work: Path, model: Path, router_tree: Path, replicas: int):
-    """Redis, the router (from router_tree) and scripted replicas (this tree); returns
-    (procs, router, address, metrics port, Redis server, log)."""
-    from common.redis_server import RedisServer
-
-    redis_srv = RedisServer(work / f"redis-{time.monotonic_ns()}")
-    redis_srv.start()
-    port, mport = free_port(), free_port()
-    log = open(work / "procs.log", "a")
-    py = sys.executable
-    router = subprocess.Popen(
-        [py, "-m", "router", "--port", str(port), "--host", "127.0.0.1", "--redis-url", redis_srv.url,
-         "--model", str(model), "--metrics-port", str(mport), "--heartbeat-interval", "0.5",
-         "--queue-limit", "100000", "--log-level", "WARNING"],
-        cwd=router_tree, stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(router_tree)})
-    procs = [router]
-    address = f"127.0.0.1:{port}"
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    time.sleep(0.5)
-    for i in range(replicas):
-        procs.append(start([py, "-m", "tests.support.scripted_replica", "--router", address,
-                            "--id", f"bench{i}", "--vocab", str(vocab), "--capacity", "256",
-                            "--reconnect"], log))
-    deadline = time.time() + 60
-    while True:
-        try:
-            if scrape(mport).get("quadriga_replicas_connected", 0) >= replicas:
-                break
-        except OSError:
-            pass
-        if any(proc.poll() is not None for proc in procs):
-            raise SystemExit(f"a process exited early ({[q.poll() for q in procs]}); see {work}/procs.log")
-        if time.time() > deadline:
-            raise SystemExit(f"router/replicas did not come up; see {work}/procs.log")
-        time.sleep(0.2)
-    warm_up(address)
-    return procs, router, address, mport, redis_srv, log, vocab
 
 
 def warm_up(address: str) -> None:
@@ -255,8 +196,7 @@ def measure(args, router, address: str, mport: int, r, vocab: int, rate: float,
     out = subprocess.run([py, "-m", "benchmarks.router.overhead", "--client", address,
                           "--rate", str(rate), "--duration", str(args.duration),
                           "--vocab", str(vocab), "--output-tokens", str(output_tokens)],
-                         cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         cwd=ROOT, capture_output=True, text=True, env=project_env())
     wall = time.perf_counter() - t0
     if out.returncode != 0:
         raise SystemExit(f"load generator failed:\n{out.stderr}")
@@ -282,17 +222,19 @@ def measure(args, router, address: str, mport: int, r, vocab: int, rate: float,
     return row
 
 
-def run_side(args, work: Path, model: Path, name: str, tree: Path) -> list[dict]:
+def run_side(args, work: Path, name: str, tree: Path) -> list[dict]:
     import redis
 
-    procs, router, address, mport, redis_srv, log, vocab = start_stack(work, model, tree, args.replicas)
     rows = []
-    try:
-        r = redis.Redis.from_url(redis_srv.url)
+    with LocalRouter(work, replicas=args.replicas, router_args=["--heartbeat-interval", "0.5"],
+                     router_tree=tree) as lr:
+        warm_up(lr.grpc_address)
+        r = redis.Redis.from_url(lr.redis_url)
         for output_tokens in args.output_tokens:
             for rate in args.rates:
                 profile = f"{args.profile}.{name}.{output_tokens}.{int(rate)}" if args.profile else None
-                row = measure(args, router, address, mport, r, vocab, rate, output_tokens, profile)
+                row = measure(args, lr.router, lr.grpc_address, lr.metrics_port, r, lr.vocab, rate,
+                              output_tokens, profile)
                 row["router"] = name
                 rows.append(row)
                 print(f"{name:9s} out {output_tokens:3d}  offered {rate:5.0f}/s achieved "
@@ -302,12 +244,6 @@ def run_side(args, work: Path, model: Path, name: str, tree: Path) -> list[dict]
                       f"({row['router_cpu_util']:.0%})  msgs/s {row['messages_per_s']:5.0f}  "
                       f"rt/req {row['redis_round_trips_per_request']:.2f}  "
                       f"cmds/req {row['redis_commands_per_request']:.1f}  fail {row['failures']}", flush=True)
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-        redis_srv.stop()
-        log.close()
     return rows
 
 
@@ -315,17 +251,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.client:
         return client_main(args)
-    from common.tiny_model import build_tiny_model
-
     work = Path(tempfile.mkdtemp(prefix="router-bench-"))
-    model = build_tiny_model(work / "model")
     sides = [("current", ROOT)]
     if args.compare:
         sides.append(("baseline", Path(args.compare).resolve()))
     rows = []
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for name, tree in sides:
-            rows += run_side(args, work, model, name, tree)
+            rows += run_side(args, work / f"{name}-{repeat}", name, tree)
     result = {
         "command": " ".join(shlex.quote(a) for a in [
             "flock", "/tmp/quadriga-bench.lock", ".venv/bin/python", "-m",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 import uuid
@@ -23,9 +22,11 @@ import uuid
 import grpc
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.datastructures import Headers
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from router.auth import key_matches
 from router.frontends import openai_render as render
 from router.frontends.openai_models import ChatCompletionRequest, CompletionRequest
 from router.requests.request import ERROR
@@ -75,6 +76,30 @@ def describe_validation_error(err: RequestValidationError) -> str:
 
 def _is_type_name(part) -> bool:
     return isinstance(part, str) and (part in {"str", "int", "float", "bool"} or "[" in part)
+
+
+class _RequireApiKey:
+    """401 for a /v1/ call without a valid `Authorization: Bearer KEY`.
+
+    Plain ASGI, not @app.middleware("http"): Starlette's BaseHTTPMiddleware runs
+    every request in its own task group and relays the body and the client's
+    receive through memory streams, a large share of a short request's cost."""
+
+    def __init__(self, app, keys: frozenset[str], on_reject):
+        self.app = app
+        self.keys = keys
+        self.on_reject = on_reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            header = Headers(scope=scope).get("authorization", "")
+            key = header[7:].strip() if header.lower().startswith("bearer ") else ""
+            if not key or not key_matches(key, self.keys):
+                self.on_reject()
+                message = "missing API key (Authorization: Bearer <key>)" if not key else "invalid API key"
+                await error_response(401, message)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _Server(uvicorn.Server):
@@ -129,16 +154,9 @@ class OpenAIFrontend:
             self.metrics.rejections.labels("invalid_argument").inc()
             return error_response(400, describe_validation_error(err))
 
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next):
-            if self.keys and request.url.path.startswith("/v1/"):
-                header = request.headers.get("authorization", "")
-                key = header[7:].strip() if header.lower().startswith("bearer ") else ""
-                if not key or not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.keys):
-                    self.metrics.rejections.labels("client_auth").inc()
-                    return error_response(401, "missing API key (Authorization: Bearer <key>)"
-                                          if not key else "invalid API key")
-            return await call_next(request)
+        if self.keys:
+            app.add_middleware(_RequireApiKey, keys=self.keys,
+                               on_reject=self.metrics.rejections.labels("client_auth").inc)
 
         app.get("/health")(self.health)
         app.get("/v1/models")(self.models)

@@ -18,12 +18,13 @@ import grpc
 
 from common.pb.quadriga.v1 import replica_pb2 as rpb
 from common.pb.quadriga.v1 import replica_pb2_grpc
-from router.malformed import MalformedMessage
+from router.malformed import MalformedMessage, check_message
 from router.persistence.writer import PermanentWriteError
 from router.replicas.ops import ReplicaFault
 from router.replicas.registry import ReplicaSession
 
 log = logging.getLogger(__name__)
+CONNECT_METHOD = "/quadriga.v1.ReplicaGateway/Connect"
 
 
 class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
@@ -37,7 +38,7 @@ class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
 
     async def _register(self, it, context) -> rpb.Register:
         try:
-            first = await asyncio.wait_for(it.__anext__(), self.config.register_timeout)
+            first = check_message(await asyncio.wait_for(it.__anext__(), self.config.register_timeout))
         except (StopAsyncIteration, asyncio.TimeoutError):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no Register within {self.config.register_timeout:g} s")
@@ -100,6 +101,7 @@ class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
             async for msg in it:
                 if session.closed:
                     return
+                check_message(msg)
                 session.last_seen = time.monotonic()
                 kind = msg.WhichOneof("kind")
                 self._in[kind or "none"].inc()

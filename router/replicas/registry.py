@@ -32,6 +32,8 @@ class ReplicaSession:
         self.closed = False
         self.close_status: tuple[grpc.StatusCode, str] | None = None
         self.metrics = metrics
+        self._ack_to = 0            # highest step_id durable; sent by _send_ack_now
+        self._ack_due = False
 
     def send(self, msg: rpb.RouterMessage) -> None:
         if self.closed:
@@ -55,7 +57,16 @@ class ReplicaSession:
         self.send(rpb.RouterMessage(cancel=rpb.CancelRequests(request_ids=list(request_ids))))
 
     def send_ack(self, step_id: int) -> None:
-        self.send(rpb.RouterMessage(ack=rpb.Ack(step_id=step_id)))
+        """Acks are cumulative, and one writer flush makes many steps durable at once:
+        one Ack per loop pass carries the highest (steps become durable in order)."""
+        self._ack_to = max(self._ack_to, step_id)
+        if not self._ack_due:
+            self._ack_due = True
+            asyncio.get_running_loop().call_soon(self._send_ack_now)
+
+    def _send_ack_now(self) -> None:
+        self._ack_due = False
+        self.send(rpb.RouterMessage(ack=rpb.Ack(step_id=self._ack_to)))
 
     def close(self, code: grpc.StatusCode | None = None, message: str = "") -> None:
         """Ends the stream; with a code, the replica sees that status."""

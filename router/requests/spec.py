@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,14 @@ class RequestSpec:
         return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 
+_SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))
+
+
 def sampling_fields(s: Sampling) -> dict:
     """The fields that are set, as plain JSON values (what Redis keeps)."""
     out = {}
-    for k, v in asdict(s).items():
+    for k in _SAMPLING_FIELDS:  # a shallow read: asdict's deep copy cost every submit
+        v = getattr(s, k)
         if v is None or v == () or v is False:
             continue
         out[k] = list(v) if isinstance(v, tuple) else v
