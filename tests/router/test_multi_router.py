@@ -97,8 +97,10 @@ def test_cancel_at_the_front_cancels_on_the_other_routers_replica(redis_url, tin
 
 def test_a_replica_moving_to_another_router_keeps_its_work(redis_url, tiny_model, arun):
     """The replica's router stops; the replica registers with the other one,
-    which adopts what it runs: the clients there see no break, nothing is
-    recomputed."""
+    which adopts what it runs: the clients there see no break and every token
+    once. (A scripted replica does not resend deltas the stopped router never
+    read, so a request whose last deltas were in flight then resumes from what
+    Redis recorded; the real worker resends them: tests/e2e/test_multi_router.py.)"""
 
     async def scenario():
         first, second = configs(redis_url, tiny_model, lease_ttl=10.0)
@@ -118,9 +120,12 @@ def test_a_replica_moving_to_another_router_keeps_its_work(redis_url, tiny_model
                 results = await asyncio.gather(*tasks)
             for p, msgs in zip(prompts, results):
                 assert tokens_of(msgs) == expected_tokens(p, 40, vocab)
-                assert msgs[-1].timings.requeues == 0
-            assert len(rep.rec.registered) == 2 and list(rep.rec.registered[1].keep_request_ids)
-            assert not any(x.resume_token_ids for x in rep.rec.assignments)
+                assert msgs[-1].timings.replica_id == "mover"
+            assert len(rep.rec.registered) == 2
+            assert len(rep.rec.registered[1].keep_request_ids) == 4, "B adopts all four"
+            requeued = {x.labels["reason"] for x in b.metrics.requeues.collect()[0].samples
+                        if x.name.endswith("_total") and x.value}
+            assert requeued <= {"diverged"}
             await reps.close()
 
     arun(scenario())
