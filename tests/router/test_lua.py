@@ -129,3 +129,49 @@ def test_every_script_run_twice_is_run_once(redis_url, arun):
             assert await store.live_ids() == []
 
     arun(scenario())
+
+
+def test_cross_router_scripts_run_twice_are_run_once(redis_url, arun):
+    """ATTACH, ADOPT, the in-flight sweep and a replica leaving, each sent
+    again as a retried flush would, for two registered routers."""
+    from router.persistence.store import record_from_flat
+
+    async def scenario():
+        async with store_and_writer(redis_url, "xr:") as (store, a), \
+                store_and_writer(redis_url, "xr:") as (_, b):
+            r = store.redis
+            for router_id, writer in (("A", a), ("B", b)):
+                writer.fence = (router_id, await store.register_router(router_id, 30))
+            await a.call(submit(store, "x", 2, token="tx"))
+            assert await r.hget("xr:req:x", "fe") == b"A"
+            for _ in range(2):
+                flat = await b.call(store.attach("x", "d"))
+            assert record_from_flat("x", flat)["id"] == "x"
+            assert await r.hget("xr:req:x", "fe") == b"A B"
+            await b.call(store.attach("x", "another body"))
+            assert await r.hget("xr:req:x", "fe") == b"A B"
+
+            reply = await a.call(store.pop("pending", "rep", 1, None, 2e9, 1.0, "pa"))
+            [popped] = store.popped(reply)
+            assert (popped.id, popped.assignments, popped.record) == ("x", 1, None)  # A is a front
+            for _ in range(2):
+                [flat] = await b.call(store.adopt("rep", 2e9, ["x"]))
+                assert record_from_flat("x", flat)["tokens"] == []
+            assert await r.hget("xr:req:x", "br") == b"B"
+            assert [f for _, f in await r.xrange("xr:ev:A")][-1][b"k"] == b"m"
+            assert await b.call(store.adopt("other", 2e9, ["x"])) == [b""]
+
+            # B's lease lapses: A sweeps x back to the shared queue, once.
+            await r.zadd("xr:routers", {"B": 1.0})
+            await r.zadd("xr:inflight", {"x": 1.0})
+            assert [await a.call(store.sweep_inflight(0)) for _ in range(2)] == [1, 0]
+            assert (await r.hget("xr:req:x", "st"), await r.hget("xr:req:x", "rq")) == (b"q", b"1")
+            assert await r.zcard("xr:q:pending") == 1
+
+            await a.call(store.move(["x", "pending", "r:rep"]))
+            for _ in range(2):
+                await a.call(store.replica_left("rep"))
+            assert (await r.zcard("xr:q:r:rep"), await r.zcard("xr:q:pending")) == (0, 1)
+            assert await r.hget("xr:req:x", "q") == b"pending"
+
+    arun(scenario())
