@@ -160,3 +160,28 @@ def test_missed_events_are_read_back_from_redis(redis_url, tiny_model, arun):
             await reps.close()
 
     arun(scenario())
+
+
+def test_per_replica_policies_balance_per_router_and_share_the_queue(redis_url, tiny_model, arun):
+    """round_robin with two routers: router A rotates its arrivals over its own
+    two replicas; router B has no replica, so its arrivals wait in the shared
+    queue and A's replicas take them once their own queues are empty."""
+
+    async def scenario():
+        async with two_routers(redis_url, tiny_model, policy="round_robin") as (a, b):
+            vocab = a.limits.vocab_size
+            reps = Replicas(a.address, vocab)
+            r0 = await reps.add("r0", step_delay=0.005)
+            r1 = await reps.add("r1", step_delay=0.005)
+            await wait_for_remote_replicas(b, 2)
+            prompts = [[i + 2, 3] for i in range(8)]
+            async with client(a.address) as stub_a, client(b.address) as stub_b:
+                results = await asyncio.gather(*(collect(stub_a if i < 4 else stub_b, request(p, 10))
+                                                 for i, p in enumerate(prompts)))
+            for p, msgs in zip(prompts, results):
+                assert tokens_of(msgs) == expected_tokens(p, 10, vocab)
+            assert {m[-1].timings.replica_id for m in results[:4]} == {"r0", "r1"}
+            assert len(r0.rec.assignments) + len(r1.rec.assignments) == len(prompts)
+            await reps.close()
+
+    arun(scenario())
