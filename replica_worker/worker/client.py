@@ -58,6 +58,7 @@ class ReplicaWorker:
         self._lease_ttl_s = 10.0
         self._heartbeat_s = 1.0
         self._disconnected_at: float | None = None
+        self._last_heard = time.monotonic()   # the last message from the router
         self.draining = False
         self._drain_deadline = float("inf")
         self._done = asyncio.Event()
@@ -219,7 +220,16 @@ class ReplicaWorker:
             msg = await call.read()
             if msg is grpc.aio.EOF:
                 return
+            self._last_heard = time.monotonic()
             self._on_router_message(msg)
+
+    def _router_stopped_answering(self) -> bool:
+        """The router owes Acks and has sent nothing for half a lease: it froze
+        or was cut off. HTTP/2 keepalive misses this when steps have filled the
+        stream's buffers (the ping is never written), so the worker ends the
+        stream itself and moves to the next router before its leases lapse."""
+        return bool(self.book.unacknowledged()) and \
+            time.monotonic() - self._last_heard > self._lease_ttl_s / 2
 
     async def _raise_registration_failure(self, call) -> None:
         code = await call.code()
@@ -229,6 +239,7 @@ class ReplicaWorker:
         raise ConnectionError(f"registration failed: {code}: {details}")
 
     def _on_registered(self, reg: pb.Registered) -> None:
+        self._last_heard = time.monotonic()
         self._lease_ttl_s = reg.lease_ttl_s or self._lease_ttl_s
         self._heartbeat_s = reg.heartbeat_interval_s or self._heartbeat_s
         self._disconnected_at = None
@@ -288,6 +299,11 @@ class ReplicaWorker:
     async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(self._heartbeat_s)
+            if self._router_stopped_answering():
+                log.warning("the router sent nothing for %.1f s while %d deltas wait for its Ack; "
+                            "moving on", time.monotonic() - self._last_heard,
+                            self.book.unacknowledged())
+                return   # ends the session: the worker dials the next router
             load = self._last_report.load if self._last_report else None
             self._send(pb.ReplicaMessage(heartbeat=pb.Heartbeat(
                 running=load.running if load else 0,

@@ -123,7 +123,7 @@ def test_a_router_frozen_past_its_lease_is_fenced_and_rejoins(router_tier, hf_re
     router lease: its clients and r0 move to router 1, which adopts r0's
     running work; once it runs again its first write is refused (FENCED), it
     starts over as a new router on the same port and serves again."""
-    tier = router_tier(2, router_args=("--lease-ttl", "20", "--router-lease-ttl", "2"))
+    tier = router_tier(2, router_args=("--lease-ttl", "20", "--router-lease-ttl", "4"))
     tier.start_replica("r0", "--max-num-seqs", "2", router=",".join(tier.addresses(0, 1)))
     tier.start_replica("r1", "--max-num-seqs", "2", router=",".join(tier.addresses(1, 0)))
     frozen = tier.routers[0]
@@ -132,6 +132,7 @@ def test_a_router_frozen_past_its_lease_is_fenced_and_rejoins(router_tier, hf_re
         followers = [Follower(tier.addresses(0, 1), p, f"frozen-{i}") for i, p in enumerate(PROMPTS)]
         tasks = [asyncio.create_task(f.run()) for f in followers]
         await until_streaming(followers, running=4)
+        fenced_before = tier.log_of(0).count("fenced: starting over")
         frozen.proc.send_signal(signal.SIGSTOP)
         try:
             deadline = time.monotonic() + 60
@@ -144,7 +145,7 @@ def test_a_router_frozen_past_its_lease_is_fenced_and_rejoins(router_tier, hf_re
         finally:
             frozen.proc.send_signal(signal.SIGCONT)
         results = await asyncio.gather(*tasks)
-        while "fenced: starting over" not in tier.log_of(0):
+        while tier.log_of(0).count("fenced: starting over") == fenced_before:
             assert time.monotonic() < deadline, "the frozen router was not fenced"
             await asyncio.sleep(0.1)
         await asyncio.to_thread(wait_for_health, tier.address_of(0), frozen, 30)
@@ -181,17 +182,15 @@ def test_pull_keeps_arrival_order_across_routers(router_tier, hf_reference):
     check_exact(followers, results, hf_reference)
     r = redis.Redis.from_url(tier.redis_url)
     try:
-        recs = [{k.decode(): v.decode() for k, v in r.hgetall(f"quadriga:req:order-{i:02d}").items()}
+        fields = ("m", "ao", "sat", "pat", "fe")
+        recs = [dict(zip(fields, (v.decode() for v in r.hmget(f"quadriga:req:order-{i:02d}", fields))))
                 for i in range(len(prompts))]
     finally:
         r.close()
     assert {rec["fe"] for rec in recs[0::2]} != {rec["fe"] for rec in recs[1::2]}
     by_queue = sorted(recs, key=lambda rec: rec["m"])
-    passed = 0
     for i, early in enumerate(by_queue):
         for late in by_queue[i + 1:]:
-            if int(late["ao"]) < int(early["ao"]):
-                passed += 1
+            if int(late["ao"]) < int(early["ao"]):   # passed: only by one popped before it was stored
                 assert float(early["sat"]) > float(late["pat"]), (early, late)
-    assert passed <= 2, f"{passed} requests were passed by later ones"
     assert {last.timings.replica_id for _, last in results} == {"r0", "r1"}
