@@ -73,9 +73,12 @@ def sync_stub(address: str, ca_file: str = "") -> generation_pb2_grpc.Generation
 
 
 # A router that froze (its process stopped, the network gone without a reset)
-# ends the stream within about 6 s, so the client moves on instead of waiting
-# for TCP to give up. The router accepts pings this often.
-KEEPALIVE_OPTIONS = (("grpc.keepalive_time_ms", 3_000), ("grpc.keepalive_timeout_ms", 3_000),
+# ends the stream within about 8 s, so the client moves on instead of waiting
+# for TCP to give up. gRPC core times a ping out after ping_timeout_ms (one
+# minute by default; keepalive_timeout alone does not end the stream while
+# another ping is outstanding). The router accepts pings this often.
+KEEPALIVE_OPTIONS = (("grpc.keepalive_time_ms", 3_000), ("grpc.keepalive_timeout_ms", 5_000),
+                     ("grpc.http2.ping_timeout_ms", 5_000),
                      ("grpc.keepalive_permit_without_calls", 1),
                      ("grpc.http2.max_pings_without_data", 0))
 # A stream that ends with one of these is taken up again at the next router.

@@ -128,9 +128,11 @@ class ReplicaWorker:
 
     def _channel(self) -> grpc.aio.Channel:
         # Pings every few seconds: a router that froze (its process stopped, the
-        # network gone without a reset) ends the stream in about 6 s, and the
-        # worker moves on, instead of waiting for TCP to give up.
-        options = [("grpc.keepalive_time_ms", 3_000), ("grpc.keepalive_timeout_ms", 3_000),
+        # network gone without a reset) ends the stream in about 8 s, and the
+        # worker moves on, instead of waiting for TCP to give up. gRPC core times
+        # a ping out only after ping_timeout_ms (a minute by default).
+        options = [("grpc.keepalive_time_ms", 3_000), ("grpc.keepalive_timeout_ms", 5_000),
+                   ("grpc.http2.ping_timeout_ms", 5_000),
                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
         if self.config.tls_ca_file:
             with open(self.config.tls_ca_file, "rb") as f:
