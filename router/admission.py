@@ -76,9 +76,8 @@ class Admission:
         found = self._in_memory(rid, digest)  # the same id may have arrived meanwhile
         if found is not None:
             return found
-        cost = len(ids) + max_tokens
-        req, stored = self.table.admit(spec, ids, max_tokens, self.scheduler.arrival_queue(cost),
-                                       rid, digest)
+        req, stored = self.table.admit(spec, ids, max_tokens,
+                                       self.scheduler.arrival_queue(ids, max_tokens), rid, digest)
         try:
             created, value, state = await asyncio.wait_for(asyncio.shield(stored),
                                                            self.config.submit_timeout)

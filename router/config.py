@@ -44,6 +44,15 @@ class RouterConfig:
     max_requeues: int = 8              # a request moved this often between replicas fails
     tokenizer_threads: int = 2
     log_level: str = "INFO"
+    # Cache-affine scheduling (docs/router.md): the view of the replicas' caches,
+    # pull's choice among the oldest queued requests, cache_aware's balance.
+    prefix_index_max_entries: int = 1_000_000   # (replica, block) entries, ~200 bytes each
+    prefix_metrics: str = "policy"     # policy: for policies that use the cache; all: every placement
+    pull_affinity_window: int = 32     # oldest queued requests a Pull chooses among; 0: strict FIFO
+    pull_affinity_max_wait: float = 2.0   # seconds; a request waiting longer is served first, in order
+    pull_affinity_wait_weight: float = 1.0  # a second's wait is worth this x the puller's prefill tokens/s
+    cache_aware_balance_abs: int = 8192    # outstanding tokens over the least loaded replica's ...
+    cache_aware_balance_rel: float = 1.5   # ... and this many times it: go to the least loaded
 
     def __post_init__(self) -> None:
         from router.scheduling.policies import POLICIES
@@ -78,6 +87,7 @@ class RouterConfig:
             problems.append("max_pending_submits and max_requeues must be at least 1")
         if self.tokenizer_threads < 1:
             problems.append("tokenizer_threads must be at least 1")
+        problems += _affinity_problems(self)
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             problems.append(f"redis_url: {self.redis_url!r} is not a redis:// URL")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
@@ -109,6 +119,23 @@ class RouterConfig:
 
 
 SECRET_FIELDS = ("replica_token", "api_keys")
+
+
+def _affinity_problems(c: RouterConfig) -> list[str]:
+    problems = []
+    if c.prefix_index_max_entries < 1:
+        problems.append("prefix_index_max_entries must be at least 1")
+    if c.prefix_metrics not in ("policy", "all"):
+        problems.append(f"prefix_metrics: {c.prefix_metrics!r} is not 'policy' or 'all'")
+    if c.pull_affinity_window < 0:
+        problems.append("pull_affinity_window must be 0 (off) or more")
+    if not c.pull_affinity_max_wait > 0:
+        problems.append("pull_affinity_max_wait must be positive")
+    if not c.pull_affinity_wait_weight >= 0:
+        problems.append("pull_affinity_wait_weight must be 0 or more")
+    if c.cache_aware_balance_abs < 0 or not c.cache_aware_balance_rel >= 1:
+        problems.append("cache_aware_balance_abs must be 0 or more and cache_aware_balance_rel 1 or more")
+    return problems
 
 
 def _env_name(field_name: str) -> str:

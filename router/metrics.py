@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 _LATENCY = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TBT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+_PREFIX_TOKENS = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 
 class Metrics:
@@ -52,11 +53,37 @@ class Metrics:
                                    "Writes queued for Redis, not yet durable", registry=r)
         self.redis_stalled = Gauge("quadriga_redis_stalled",
                                    "1 while Redis is slower than the stall threshold", registry=r)
+        self.prefix_hit = Histogram("quadriga_prefix_hit_tokens",
+                                    "Cached prefix tokens on the replica a request was placed on",
+                                    buckets=_PREFIX_TOKENS, registry=r)
+        self.prefix_best_hit = Histogram("quadriga_prefix_best_hit_tokens",
+                                         "Longest cached prefix of a request on any live replica",
+                                         buckets=_PREFIX_TOKENS, registry=r)
+        self.prefix_context = Counter("quadriga_prefix_context_tokens_total",
+                                      "Context tokens of the placements the two above count",
+                                      registry=r)
+        self.prefix_entries = Gauge("quadriga_prefix_index_entries",
+                                    "Block hashes in the router's view of the replicas' caches",
+                                    registry=r)
+        self.prefix_evictions = Counter("quadriga_prefix_index_evictions_total",
+                                        "Entries dropped from the view for its memory bound",
+                                        registry=r)
+        self.pull_picks = Counter("quadriga_pull_picks_total",
+                                  "Requests a Pull took: in queue order, ahead of older ones "
+                                  "for their cached prefix, or past the wait bound",
+                                  ["reason"], registry=r)
+        self.prefill_rate = Gauge("quadriga_replica_prefill_tokens_per_second",
+                                  "A replica's prefill speed from its prefill-heavy steps "
+                                  "(what pull affinity weighs a cached token with)",
+                                  ["replica"], registry=r)
         self._last_round_trips = 0
+        self._last_evictions = 0
         # labels() takes a lock and builds a key on every call: children are cached.
         self._inflight: dict[str, object] = {}
         self._finished: dict[int, object] = {}
         self._out: dict[str, object] = {}
+        self._picks: dict[str, object] = {}
+        self._prefill_rates: dict[str, object] = {}
 
     def inflight_of(self, replica_id: str):
         child = self._inflight.get(replica_id)
@@ -68,11 +95,25 @@ class Metrics:
         """A replica left for good: its labelled series go too (bounded memory)."""
         if self._inflight.pop(replica_id, None) is not None:
             self.inflight.remove(replica_id)
+        if self._prefill_rates.pop(replica_id, None) is not None:
+            self.prefill_rate.remove(replica_id)
+
+    def prefill_rate_of(self, replica_id: str):
+        child = self._prefill_rates.get(replica_id)
+        if child is None:
+            child = self._prefill_rates[replica_id] = self.prefill_rate.labels(replica_id)
+        return child
 
     def finished_with(self, reason: int):
         child = self._finished.get(reason)
         if child is None:
             child = self._finished[reason] = self.requests.labels(gpb.FinishReason.Name(reason))
+        return child
+
+    def pull_pick(self, reason: str):
+        child = self._picks.get(reason)
+        if child is None:
+            child = self._picks[reason] = self.pull_picks.labels(reason)
         return child
 
     def sent_to_replica(self, kind: str):
@@ -84,6 +125,11 @@ class Metrics:
     def sync_round_trips(self, total: int) -> None:
         self.redis_round_trips.inc(total - self._last_round_trips)
         self._last_round_trips = total
+
+    def sync_prefix_index(self, entries: int, evictions: int) -> None:
+        self.prefix_entries.set(entries)
+        self.prefix_evictions.inc(evictions - self._last_evictions)
+        self._last_evictions = evictions
 
     def serve(self, port: int, addr: str = "0.0.0.0"):
         return start_http_server(port, addr=addr, registry=self.registry)

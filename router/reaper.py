@@ -66,6 +66,9 @@ class Reaper:
         for req in self.table.expired_detached(now):
             self.ops.lease_lapsed(req)
         self.writer.post(self.store.sweep_inflight(cfg.lease_ttl)).on_done = self._swept
+        self.ops.expire_prefix_views(mono)
+        index = self.ops.prefix_index
+        self.metrics.sync_prefix_index(len(index), index.evictions)
         self.metrics.sync_round_trips(self.writer.round_trips)
         self.metrics.redis_pending.set(self.writer.pending)
 

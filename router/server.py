@@ -33,11 +33,14 @@ from router.metrics import Metrics
 from router.persistence.store import Store
 from router.persistence.writer import RedisWriter
 from router.events import EventReader
+from router.prefix.index import PrefixIndex
+from router.prefix.matcher import PrefixMatcher
 from router.reaper import Reaper
 from router.replicas.gateway import CONNECT_METHOD, ReplicaGateway
 from router.replicas.ops import ReplicaOps
 from router.replicas.registry import Registry
 from router.requests.table import RequestTable
+from router.scheduling.policies import PolicySettings
 from router.scheduling.pull import PullScheduler
 from router.validation import ModelLimits
 
@@ -68,10 +71,14 @@ class RouterApp:
         self.table = RequestTable(self.store, self.writer, self.metrics, lease_ttl=config.lease_ttl,
                                   max_requeues=config.max_requeues)
         self.registry = Registry()
+        self.prefix_index = PrefixIndex(config.prefix_index_max_entries)
+        prefix = PrefixMatcher(self.prefix_index, self.metrics, config.prefix_metrics == "all")
         self.scheduler = PullScheduler(self.table, self.store, self.writer, config.policy,
-                                       config.lease_ttl)
+                                       config.lease_ttl, prefix, PolicySettings.from_config(config),
+                                       self.metrics)
         self.ops = ReplicaOps(self.table, self.scheduler, self.registry, self.metrics,
-                              self.limits.vocab_size, config.lease_ttl, self.store, self.writer)
+                              self.limits.vocab_size, config.lease_ttl, self.store, self.writer,
+                              self.prefix_index)
         self.admission = Admission(config, self.limits, self.table, self.scheduler, self.registry,
                                    self.writer, self.store, self.metrics)
         self.reaper = Reaper(self.table, self.ops, self.registry, self.writer, self.store,

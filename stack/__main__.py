@@ -26,7 +26,8 @@ from stack.processes import Child, wait_for_health
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m stack", description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--policy", default="pull", choices=("pull", "round_robin", "least_outstanding"))
+    p.add_argument("--policy", default="pull",
+                   choices=("pull", "round_robin", "least_outstanding", "cache_aware"))
     p.add_argument("--model", help="local Hugging Face folder; default: SmolLM2-135M-Instruct, "
                                    "built once into the model cache")
     p.add_argument("--redis-url", help="default: start an embedded Redis")
@@ -39,6 +40,9 @@ def parse_args(argv=None):
                    help="comma-separated GPU indices; replica i sees only GPU i mod N "
                         "(CUDA_VISIBLE_DEVICES), so one host's GPUs each get a replica")
     p.add_argument("--replica-arg", action="append", default=[], help="extra flag for every replica")
+    p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router")
+    p.add_argument("--replica-metrics-port", type=int, default=0,
+                   help="replica i serves Prometheus metrics on this port + i (0: none)")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--demo", action="store_true", help="send a few prompts once the stack is up")
     p.add_argument("--exit-after-demo", action="store_true", help="stop after the demo (a smoke test)")
@@ -95,7 +99,7 @@ def start(a, log_dir: Path, model: str, children: list[Child], servers: list) ->
     router = Child("router", ["-m", "router", "--port", str(a.port), "--redis-url", redis_url,
                               "--policy", a.policy, "--model", model,
                               "--metrics-port", str(a.metrics_port),
-                              "--http-port", str(a.http_port)], log_dir)
+                              "--http-port", str(a.http_port), *a.router_arg], log_dir)
     children.append(router)
     address = f"127.0.0.1:{a.port}"
     wait_for_health(address, router, timeout=60)
@@ -107,9 +111,11 @@ def start(a, log_dir: Path, model: str, children: list[Child], servers: list) ->
     gpus = [g.strip() for g in a.replica_gpus.split(",") if g.strip()]
     for i in range(a.replicas):
         env = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if gpus else None
+        metrics = ["--metrics-port", str(a.replica_metrics_port + i)] if a.replica_metrics_port else []
         replica = Child(f"replica-{i}", ["-m", "replica_worker", "--router", address, "--model", model,
                                          "--replica-id", f"replica-{i}", "--device", a.device,
-                                         "--scheduler", a.scheduler, *threads, *a.replica_arg], log_dir, env)
+                                         "--scheduler", a.scheduler, *threads, *metrics, *a.replica_arg],
+                        log_dir, env)
         children.append(replica)
     for replica in children[1:]:
         wait_for_log(replica, "registered with router", timeout=180)

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.faults.run import FaultStack  # noqa: E402
 from common.redis_server import free_port  # noqa: E402
 from common.tiny_model import build_tiny_model  # noqa: E402
+from common.tokenizer import vocab_size  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:
@@ -234,7 +235,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="quadriga-soak-"))
     model = str(build_tiny_model(work / "model"))
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    vocab = vocab_size(model)
     metrics = {"r0": free_port(), "r1": free_port()}
     router_metrics = free_port()
     stack = FaultStack(work, model, lease_ttl=5.0, seats=16,

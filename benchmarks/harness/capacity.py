@@ -1,6 +1,7 @@
 """Capacity as Sarathi-Serve defines it: the highest Poisson rate whose run keeps
-p99 TBT within the SLO and median scheduling delay within 2 s, by bracketing and
-binary search over a bounded number of probes (each probe a fixed request count)."""
+p99 TBT within the SLO and median scheduling delay within 2 s (and, when given,
+p99 TTFT within a bound), by bracketing and binary search over a bounded number
+of probes (each probe a fixed request count)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ KEEP_UP = 0.9
 
 
 def probe_passes(summary: dict, tbt_slo_s: float, sched_delay_p50_s: float = 2.0,
-                 offered_rate: float | None = None, keep_up: float = KEEP_UP) -> tuple[bool, str]:
+                 offered_rate: float | None = None, keep_up: float = KEEP_UP,
+                 ttft_p99_s: float | None = None) -> tuple[bool, str]:
     """The pass rule on an aggregate from metrics.aggregate.
 
     A short probe of an overloaded system can end before its queue makes the
@@ -34,7 +36,11 @@ def probe_passes(summary: dict, tbt_slo_s: float, sched_delay_p50_s: float = 2.0
         return False, f"p99 TBT {tbt} > {tbt_slo_s}"
     if sched is None or sched > sched_delay_p50_s:
         return False, f"p50 scheduling delay {sched} > {sched_delay_p50_s}"
-    return True, f"p99 TBT {tbt:.4f} s, p50 scheduling delay {sched:.3f} s"
+    ttft = summary["ttft_s"]["p99"] if ttft_p99_s is not None else None
+    if ttft_p99_s is not None and (ttft is None or ttft > ttft_p99_s):
+        return False, f"p99 TTFT {ttft} > {ttft_p99_s}"
+    return True, f"p99 TBT {tbt:.4f} s, p50 scheduling delay {sched:.3f} s" + (
+        f", p99 TTFT {ttft:.3f} s" if ttft is not None else "")
 
 
 def search(probe: Callable[[float], bool], initial: float, *, max_probes: int = 8,

@@ -6,6 +6,8 @@ compare   policies x loads (fractions of a capacity, or absolute rates), CDFs ov
 roofline  hardware limit of a model shape and workload
 model-dir write a config-only model folder of a known shape (dummy weights on the replica)
 plot-capacity  capacity searches' JSONs overlaid in one PNG, probe by probe
+repeats   repeated compare runs and capacity searches gathered: median and range per label and policy
+prefix-report  the cache-affine targets, per seed, over benchmarks/prefix_affinity_cpu.sh's runs
 """
 
 from __future__ import annotations
@@ -22,18 +24,31 @@ from pathlib import Path
 from benchmarks.common import RESULTS
 from benchmarks.harness import capacity as cap
 from benchmarks.harness import metrics as M
-from benchmarks.harness import plots, roofline
+from benchmarks.harness import plots, prefix_report, prefix_stats, repeats, roofline
 from benchmarks.harness.loadgen import run_requests
+from benchmarks.harness.prefix_workloads import reusable_tokens
 from benchmarks.harness.stack import Stack
-from benchmarks.harness.workload import PRESETS, WorkloadSpec, generate, vocab_size_of
+from benchmarks.harness.workload import (PREFIX_WORKLOADS, PRESETS, WorkloadSpec, generate,
+                                         vocab_size_of)
 
-POLICIES = ("pull", "round_robin", "least_outstanding")
+# A name the harness runs: a router policy, with the router flags that make it.
+POLICY_VARIANTS = {
+    "pull": ("pull", []),                                      # with affinity (the default)
+    "pull_fifo": ("pull", ["--pull-affinity-window", "0"]),    # strict FIFO
+    "round_robin": ("round_robin", []),
+    "least_outstanding": ("least_outstanding", []),
+    "cache_aware": ("cache_aware", []),
+}
+POLICIES = tuple(POLICY_VARIANTS)
+# Hit metrics for every policy, so they compare (hashing every prompt costs little).
+STACK_ROUTER_ARGS = ["--prefix-metrics", "all"]
 
 
 # ---------------------------------------------------------------- arguments
 def add_workload_args(p):
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", default="synthetic", choices=("synthetic", "trace", *PRESETS))
+    g.add_argument("--workload", default="synthetic",
+                   choices=("synthetic", "trace", *PRESETS, *PREFIX_WORKLOADS))
     g.add_argument("--trace", help="CSV with prompt/output length columns and optional arrival_s")
     g.add_argument("--num-requests", "-n", type=int, default=100)
     g.add_argument("--scale", type=float, default=1.0, help="multiply preset/trace lengths (tiny model: 0.125)")
@@ -49,6 +64,15 @@ def add_workload_args(p):
     g.add_argument("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--vocab-size", type=int, help="default: the model's config.json (512 without one)")
+    g.add_argument("--groups", type=int, default=8, help="shared-prefix: system prompts")
+    g.add_argument("--questions", type=int, default=16, help="shared-prefix: requests per system prompt")
+    g.add_argument("--system-len", type=int, default=256,
+                   help="shared-prefix: tokens of each group's system prompt; multi-turn: of the "
+                        "one every conversation starts with (0: none)")
+    g.add_argument("--conversations", type=int, default=32, help="multi-turn: conversations")
+    g.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    g.add_argument("--think-s", type=float, default=0.0,
+                   help="multi-turn: seconds between an answer and the next turn")
 
 
 def add_target_args(p):
@@ -63,6 +87,9 @@ def add_target_args(p):
     g.add_argument("--scheduler", help="replica scheduler (sarathi, vllm, ...)")
     g.add_argument("--replica-arg", action="append", default=[], help="passed to every replica")
     g.add_argument("--stack-arg", action="append", default=[], help="passed to python -m stack")
+    g.add_argument("--router-arg", action="append", default=[], help="passed to the router (--start-stack)")
+    g.add_argument("--replica-metrics-url", action="append", default=[],
+                   help="a replica's /metrics (prefix cache hit rate); --start-stack finds its own")
     g.add_argument("--stack-log-dir")
     g.add_argument("--channels", type=int, default=2)
     g.add_argument("--stream-interval", type=int, default=1)
@@ -78,6 +105,7 @@ def add_slo_args(p):
     g.add_argument("--tbt-slo-stat", default="p99", choices=("p99", "max", "mean"),
                    help="per-request TBT statistic for goodput")
     g.add_argument("--sched-delay-slo", type=float, default=2.0, help="capacity: p50 scheduling delay bound")
+    g.add_argument("--ttft-p99-slo", type=float, help="capacity: p99 TTFT bound too (seconds)")
 
 
 def add_hw_args(p):
@@ -129,11 +157,18 @@ def parse_args(argv=None):
     f.add_argument("--replica-arg", action="append", default=[])
     d = sub.add_parser("model-dir", help="config-only model folder of a known shape")
     d.add_argument("out")
-    d.add_argument("--shape", default="llama-3.1-8b", choices=("llama-3.1-8b",))
+    d.add_argument("--shape", default="llama-3.1-8b", choices=tuple(MODEL_SHAPES))
     k = sub.add_parser("plot-capacity", help="capacity searches' JSONs overlaid in one PNG")
     k.add_argument("results", nargs="+", help="capacity JSONs; LABEL=PATH names a line (default: the file name)")
     k.add_argument("--out", required=True, help="the PNG to write")
     k.add_argument("--title", default="")
+    e = sub.add_parser("repeats", help="repeated compare runs and capacity searches: median and range")
+    e.add_argument("results", nargs="+", help="compare or capacity JSONs; LABEL=PATH groups them")
+    e.add_argument("--out", required=True, help="path stem of the JSON, CSV and PNGs")
+    e.add_argument("--title", default="")
+    t = sub.add_parser("prefix-report", help="cache-affine targets over a folder of runs")
+    t.add_argument("runs", help="the runs folder (WL_cap_POLICY_cacheon_seedK.json, WL_70pct_seedK.json)")
+    t.add_argument("--out", required=True, help="the report JSON")
     return p.parse_args(argv)
 
 
@@ -181,11 +216,12 @@ def spec_from(a, model: str | None) -> WorkloadSpec:
         output_dist=a.output_dist, output_len=a.output_len, output_min=a.output_min,
         output_max=a.output_max, zipf_theta=a.zipf_theta, scale=a.scale, max_total=a.max_total,
         arrival=a.arrival, rate=a.rate, cv=a.cv, seed=a.seed,
-        vocab_size=a.vocab_size or vocab_size_of(model))
+        vocab_size=a.vocab_size or vocab_size_of(model), groups=a.groups, questions=a.questions,
+        system_len=a.system_len, conversations=a.conversations, turns=a.turns, think_s=a.think_s)
 
 
 def slo_from(a) -> M.SLO:
-    return M.SLO(a.ttft_slo, a.tbt_slo, a.tbt_slo_stat, a.sched_delay_slo)
+    return M.SLO(a.ttft_slo, a.tbt_slo, a.tbt_slo_stat, a.sched_delay_slo, a.ttft_p99_slo)
 
 
 def _replica_flag(args: list[str], flag: str) -> str | None:
@@ -237,16 +273,20 @@ class Target:
         self.a, self.policy, self.model = a, policy or a.policy, model
         self.stack: Stack | None = None
         self.address, self.metrics_url = a.router, a.metrics_url
+        self.replica_metrics_urls = list(a.replica_metrics_url)
 
     def __enter__(self):
         a = self.a
         if a.start_stack:
             log(f"starting stack: {a.replicas} replicas, policy {self.policy}")
-            self.stack = Stack(replicas=a.replicas, policy=self.policy, model=self.model,
+            policy, variant_args = POLICY_VARIANTS[self.policy]
+            self.stack = Stack(replicas=a.replicas, policy=policy, model=self.model,
                                replica_args=a.replica_arg, device=a.device, scheduler=a.scheduler,
                                extra_args=a.stack_arg, log_dir=a.stack_log_dir and
-                               str(Path(a.stack_log_dir) / self.policy)).start()
+                               str(Path(a.stack_log_dir) / self.policy),
+                               router_args=[*STACK_ROUTER_ARGS, *variant_args, *a.router_arg]).start()
             self.address, self.metrics_url = self.stack.address, self.stack.metrics_url
+            self.replica_metrics_urls = self.stack.replica_metrics_urls
             log(f"stack ready at {self.address} (logs {self.stack.log_dir})")
         elif not self.address:
             raise SystemExit("give --router HOST:PORT or --start-stack")
@@ -259,11 +299,15 @@ class Target:
         return self
 
     def run(self, requests, label: str, progress: bool = True):
+        """run_requests' results, plus the prefix cache hit rates of the run."""
         a = self.a
-        return asyncio.run(run_requests(
+        before = prefix_stats.snapshot(self.metrics_url, self.replica_metrics_urls)
+        out = asyncio.run(run_requests(
             self.address, requests, channels=a.channels, stream_interval=a.stream_interval,
             timeout=a.timeout, metrics_url=self.metrics_url, label=label,
             progress=progress and not a.no_progress))
+        after = prefix_stats.snapshot(self.metrics_url, self.replica_metrics_urls)
+        return (*out, prefix_stats.between(before, after))
 
     def __exit__(self, *exc):
         if self.stack:
@@ -273,8 +317,12 @@ class Target:
 
 def measured(target: Target, a, model, requests, label: str, slo: M.SLO, out_dir: Path, stem: str):
     """One run: aggregates (with the roofline), CSV and plots; returns (summary, results)."""
-    results, scrapes, wall, client_lag = target.run(requests, label)
+    results, scrapes, wall, client_lag, hits = target.run(requests, label)
     summary = M.aggregate(results, wall, slo)
+    summary["prefix_cache"] = hits
+    if a.workload in PREFIX_WORKLOADS:
+        prompt = sum(r.prompt_len for r in requests)
+        summary["workload_reusable_prompt_share"] = reusable_tokens(requests, a.system_len) / prompt
     # Client-side latencies include the load generator's own stalls; server-side ones do not.
     summary["client_max_loop_lag_s"] = client_lag
     limit = limit_for(a, model, requests)
@@ -298,13 +346,20 @@ def line(label: str, s: dict) -> str:
         return "-" if v is None else f"{v * 1000:.0f}"
     roof = s.get("roofline")
     roof_txt = f", {roof['fraction_of_limit_output_tok_s'] * 100:.1f}% of roofline" if roof else ""
+    hits = s.get("prefix_cache") or {}
+
+    def pct(k):
+        v = hits.get(k)
+        return "-" if v is None else f"{v * 100:.0f}%"
+    hit_txt = (f"; prefix hits engine {pct('engine_hit_rate')}, router {pct('router_hit_rate')}, "
+               f"oracle {pct('oracle_hit_rate')}") if hits else ""
     return (f"{label}: {s['finished']}/{s['requests']} ok ({s['exact_output_length']} exact), "
             f"{s['throughput_req_s']:.2f} req/s, {s['throughput_output_tok_s']:.0f} out tok/s{roof_txt}; "
             f"TTFT p50/p99 {ms(s['ttft_s'], 'p50')}/{ms(s['ttft_s'], 'p99')} ms, "
             f"TBT p99 {ms(s['tbt_s'], 'p99')} ms, e2e p50/p99 {ms(s['e2e_s'], 'p50')}/{ms(s['e2e_s'], 'p99')} ms, "
             f"sched delay p50 {ms(s['server_scheduling_delay_s'], 'p50')} ms, "
             f"goodput {s['goodput']['share'] * 100 if s['goodput']['share'] is not None else 0:.0f}%, "
-            f"client stall max {s.get('client_max_loop_lag_s', 0) * 1000:.0f} ms")
+            f"client stall max {s.get('client_max_loop_lag_s', 0) * 1000:.0f} ms{hit_txt}")
 
 
 # ---------------------------------------------------------------- commands
@@ -331,14 +386,16 @@ def find_capacity(a, target: Target, model, spec: WorkloadSpec, slo: M.SLO, out_
                   num_requests: int | None = None, on_probe=None) -> dict:
     """on_probe(partial result) after every probe: a search cut short still leaves its probes."""
     probes = []
-    rule = {"tbt_p99_s": slo.tbt_s, "sched_delay_p50_s": slo.sched_delay_p50_s, "keep_up": cap.KEEP_UP}
+    rule = {"tbt_p99_s": slo.tbt_s, "sched_delay_p50_s": slo.sched_delay_p50_s, "keep_up": cap.KEEP_UP,
+            "ttft_p99_s": slo.ttft_p99_s}
 
     def probe(rate: float) -> bool:
         sp = WorkloadSpec(**{**spec.describe(), "num_requests": num_requests or spec.num_requests})
         reqs = generate(sp, rate=rate)
         stem = f"{a.name}-probe-{rate:.3f}"
         summary, _ = measured(target, a, model, reqs, f"probe {rate:.2f} req/s", slo, out_dir, stem)
-        ok, why = cap.probe_passes(summary, slo.tbt_s, slo.sched_delay_p50_s, offered_rate=rate)
+        ok, why = cap.probe_passes(summary, slo.tbt_s, slo.sched_delay_p50_s, offered_rate=rate,
+                                   ttft_p99_s=slo.ttft_p99_s)
         log(f"  probe {rate:.3f} req/s: {'PASS' if ok else 'fail'} ({why})")
         probes.append({"rate": rate, "passed": ok, "why": why, "summary": summary})
         if on_probe:
@@ -413,8 +470,14 @@ def cmd_compare(a) -> int:
                      "e2e_p50_s": s["e2e_s"]["p50"], "e2e_p99_s": s["e2e_s"]["p99"], "tbt_p99_s": s["tbt_s"]["p99"],
                      "throughput_req_s": s["throughput_req_s"], "goodput_share": s["goodput"]["share"],
                      "errors": s["errors"], "requests_per_replica": s["requests_per_replica"],
-                     "fraction_of_roofline_output_tok_s": (s.get("roofline") or {}).get("fraction_of_limit_output_tok_s")}
+                     "fraction_of_roofline_output_tok_s": (s.get("roofline") or {}).get("fraction_of_limit_output_tok_s"),
+                     **_hit_rates(s)}
                  for p, s in v.items()} for k, v in summaries.items()}
+    if any(row.get("engine_hit_rate") is not None for v in table.values() for row in v.values()):
+        hit_bars = [(f"{k} {m}", {p: row[f"{m}_hit_rate"] or 0 for p, row in v.items()})
+                    for k, v in table.items() for m in ("engine", "oracle")]
+        pngs["hit_bars"] = str(plots.bar_plot(summary_dir / f"{a.name}-hits.png", hit_bars,
+                                              "prefix cache hit rate", "hit rate per policy and load"))
     target = None
     if "pull" in a.policies and "round_robin" in a.policies:
         target = {}
@@ -430,9 +493,11 @@ def cmd_compare(a) -> int:
                          "server_ratio": spull / srr if spull and srr else None}
     for k, v in table.items():
         for p, row in v.items():
+            hit = row.get("engine_hit_rate")
             log(f"{k:>8} {p:<18} TTFT p50 {row['ttft_p50_s']:.3f} p99 {row['ttft_p99_s']:.3f} "
                 f"(server p99 {row['server_ttft_p99_s'] or 0:.3f})  "
-                f"e2e p50 {row['e2e_p50_s']:.3f} p99 {row['e2e_p99_s']:.3f}  ({row['throughput_req_s']:.2f} req/s)")
+                f"e2e p50 {row['e2e_p50_s']:.3f} p99 {row['e2e_p99_s']:.3f}  ({row['throughput_req_s']:.2f} req/s)"
+                + (f"  hits {hit * 100:.0f}%" if hit is not None else ""))
     if target:
         log(f"pull p99 TTFT <= 1/2 round_robin: {json.dumps(target)}")
     write_json(summary_dir / f"{a.name}.json",
@@ -443,6 +508,11 @@ def cmd_compare(a) -> int:
     return 0
 
 
+def _hit_rates(summary: dict) -> dict:
+    hits = summary.get("prefix_cache") or {}
+    return {f"{k}_hit_rate": hits.get(f"{k}_hit_rate") for k in ("engine", "router", "oracle")}
+
+
 def cmd_roofline(a) -> int:
     model = resolve_model(a)
     reqs = generate(spec_from(a, model))
@@ -451,8 +521,26 @@ def cmd_roofline(a) -> int:
     return 0
 
 
+# Config-only model shapes (the replica loads --load-format dummy). cpu-small is a
+# CPU shape whose prefill costs what a served model's does relative to a decode
+# step (a 768-token prefill ~12 batch-8 decode steps, as 4096 tokens are for the 8B
+# on an H200), unlike the tiny test model, whose steps are mostly fixed overhead.
+MODEL_SHAPES = {
+    "llama-3.1-8b": dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+        rope_theta=500000.0, torch_dtype="bfloat16",
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "cpu-small": dict(
+        vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+        rope_theta=10000.0, torch_dtype="float32"),
+}
+
+
 def cmd_model_dir(a) -> int:
-    """Llama-3.1-8B's config with the tiny model's tokenizer: the replica loads dummy
+    """A model's config with the tiny model's tokenizer: the replica loads dummy
     weights (--load-format dummy) and prompts are token ids, so no download is needed."""
     import shutil
 
@@ -462,14 +550,8 @@ def cmd_model_dir(a) -> int:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-        rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        rms_norm_eps=1e-5, torch_dtype="bfloat16",
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    ).save_pretrained(str(out))
+    transformers.LlamaConfig(tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5,
+                             **MODEL_SHAPES[a.shape]).save_pretrained(str(out))
     tiny = Path(default_model())
     for f in tiny.iterdir():
         if "token" in f.name or f.name == "special_tokens_map.json":
@@ -515,4 +597,6 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     return {"run": cmd_run, "capacity": cmd_capacity, "compare": cmd_compare,
             "roofline": cmd_roofline, "model-dir": cmd_model_dir,
-            "plot-capacity": cmd_plot_capacity}[a.cmd](a)
+            "plot-capacity": cmd_plot_capacity,
+            "repeats": lambda a: repeats.main(a.out, a.results, a.title),
+            "prefix-report": lambda a: prefix_report.main(a.runs, a.out)}[a.cmd](a)

@@ -1,5 +1,7 @@
 """gRPC load generator: sends each request at its arrival time over a few shared
-channels (many concurrent server streams each) and times every delta on arrival."""
+channels (many concurrent server streams each) and times every delta on arrival.
+A conversation (multi-turn) sends its turns one after another, each turn's
+prompt built from the previous prompt, the answer received and a new message."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import grpc
 from client.api import FINISH_NAMES, aio_channel, make_request, metadata
 from common.pb.quadriga.v1 import generation_pb2_grpc
 
+from benchmarks.harness.prefix_workloads import conversations
 from benchmarks.harness.workload import Request
 
 # A router that requires client API keys gets the one in QUADRIGA_API_KEY (environment only).
@@ -113,13 +116,40 @@ async def _scraper(url: str, t0: float, period: float, out: list, stop: asyncio.
             pass
 
 
-async def _one(stub, req: Request, res: Result, t0: float, stream_interval: int, timeout: float,
-               progress: Progress, temperature: float):
-    delay = t0 + req.arrival_s - time.monotonic()
+async def _sleep_until(t0: float, offset: float) -> None:
+    delay = t0 + offset - time.monotonic()
     if delay > 0:
         await asyncio.sleep(delay)
-    msg = make_request(req.prompt_token_ids, max_tokens=req.output_len, temperature=temperature,
-                       ignore_eos=True, stream_interval=stream_interval)
+
+
+async def _one(stub, req: Request, res: Result, t0: float, *args):
+    await _sleep_until(t0, req.arrival_s)
+    await _send(stub, req, res, t0, *args)
+
+
+async def _conversation(stub, turns: list[Request], results: list[Result], t0: float, *args):
+    """Turn by turn: each prompt is the previous prompt, its answer and a new message."""
+    await _sleep_until(t0, turns[0].arrival_s)
+    context: list[int] = []
+    for k, (req, res) in enumerate(zip(turns, results)):
+        if k:
+            await asyncio.sleep(req.think_s)
+        res.scheduled_s = time.monotonic() - t0
+        answer: list[int] = []
+        await _send(stub, req, res, t0, *args, prompt=context + req.prompt_token_ids, answer=answer)
+        if not res.ok or res.output_tokens != req.output_len:
+            for later in results[k + 1:]:
+                later.error = f"turn {k + 1} of its conversation failed"
+            return
+        context = context + req.prompt_token_ids + answer
+
+
+async def _send(stub, req: Request, res: Result, t0: float, stream_interval: int, timeout: float,
+                progress: Progress, temperature: float, prompt: list[int] | None = None,
+                answer: list[int] | None = None):
+    """Sends one request and streams its answer (its token ids into `answer` if given)."""
+    msg = make_request(req.prompt_token_ids if prompt is None else prompt, max_tokens=req.output_len,
+                       temperature=temperature, ignore_eos=True, stream_interval=stream_interval)
     res.sent_s = time.monotonic() - t0
     progress.sent += 1
     try:
@@ -133,6 +163,8 @@ async def _one(stub, req: Request, res: Result, t0: float, stream_interval: int,
                 # A coalesced message delivers k tokens at once: the gaps inside it are 0.
                 res.token_times.extend([now] * k)
                 res.output_tokens += k
+                if answer is not None:
+                    answer.extend(m.token_ids)
             if m.HasField("finish_reason"):
                 res.finished_s = now
                 res.finish_reason = FINISH_NAMES.get(m.finish_reason, str(m.finish_reason))
@@ -187,9 +219,14 @@ async def run_requests(address: str, requests: list[Request], *, channels: int =
     stop = asyncio.Event()
     t0 = time.monotonic()
     scraper = asyncio.create_task(_scraper(metrics_url, t0, scrape_period, scrapes, stop)) if metrics_url else None
-    tasks = [asyncio.create_task(_one(stubs[i % len(stubs)], r, res, t0, stream_interval, timeout, prog,
-                                      temperature))
-             for i, (r, res) in enumerate(zip(requests, results))]
+    args = (t0, stream_interval, timeout, prog, temperature)
+    by_index = {r.index: res for r, res in zip(requests, results)}
+    singles, chains = conversations(requests)
+    tasks = [asyncio.create_task(_one(stubs[i % len(stubs)], r, by_index[r.index], *args))
+             for i, r in enumerate(singles)]
+    tasks += [asyncio.create_task(_conversation(stubs[i % len(stubs)], turns,
+                                                [by_index[r.index] for r in turns], *args))
+              for i, turns in enumerate(chains)]
     ticker_stop = asyncio.Event()
 
     async def ticker():

@@ -15,6 +15,7 @@ class SLO:
     tbt_s: float = 0.1
     tbt_stat: str = "p99"          # which per-request TBT statistic must meet tbt_s: p99 | max | mean
     sched_delay_p50_s: float = 2.0  # capacity: median scheduling delay bound (Sarathi-Serve)
+    ttft_p99_s: float | None = None  # capacity: p99 TTFT bound too, when set
 
 
 def request_tbt_stat(tbts: list[float], stat: str) -> float:
@@ -102,7 +103,8 @@ def aggregate(results, wall_s: float, slo: SLO) -> dict:
 CSV_FIELDS = ["index", "prompt_len", "output_len", "output_tokens", "finish_reason", "error", "replica",
               "scheduled_s", "sent_s", "first_token_s", "finished_s", "ttft_s", "e2e_s",
               "e2e_per_token_s", "tbt_p50_s", "tbt_p99_s", "tbt_max_s", "server_queue_s",
-              "server_sched_delay_s", "server_ttft_s", "server_e2e_s", "preemptions", "requeues"]
+              "server_sched_delay_s", "server_ttft_s", "server_e2e_s", "preemptions", "requeues",
+              "server_prompt_tokens"]
 
 
 def write_csv(path: Path, results) -> Path:
@@ -118,7 +120,7 @@ def write_csv(path: Path, results) -> Path:
                         _f(r.ttft), _f(e2e), _f(e2e / r.output_tokens if e2e and r.output_tokens else None),
                         _f(percentile(t, 50)), _f(percentile(t, 99)), _f(max(t) if t else None),
                         _f(r.server_queue_s), _f(r.server_sched_delay_s), _f(r.server_ttft_s),
-                        _f(r.server_e2e_s), r.preemptions, r.requeues])
+                        _f(r.server_e2e_s), r.preemptions, r.requeues, r.server_prompt_tokens])
     return path
 
 

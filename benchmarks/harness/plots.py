@@ -75,8 +75,10 @@ def load_plot(path: Path, timeline, scrapes=None, title: str = "") -> Path:
     return path
 
 
-def bar_plot(path: Path, rows: list[tuple[str, dict[str, float]]], ylabel: str, title: str = "") -> Path:
-    """rows: (group label, {series: value}); grouped bars, e.g. p99 TTFT per load per policy."""
+def bar_plot(path: Path, rows: list[tuple[str, dict[str, float]]], ylabel: str, title: str = "",
+             spread: list[dict[str, tuple[float, float]]] | None = None) -> Path:
+    """rows: (group label, {series: value}); grouped bars, e.g. p99 TTFT per load per policy.
+    spread: per row, {series: (low, high)} drawn as an error bar (the range of repeats)."""
     import numpy as np
 
     series = sorted({k for _, d in rows for k in d})
@@ -84,7 +86,13 @@ def bar_plot(path: Path, rows: list[tuple[str, dict[str, float]]], ylabel: str, 
     width = 0.8 / max(1, len(series))
     x = np.arange(len(rows))
     for i, s in enumerate(series):
-        ax.bar(x + i * width, [d.get(s, 0) or 0 for _, d in rows], width, label=s)
+        values = [d.get(s, 0) or 0 for _, d in rows]
+        err = None
+        if spread is not None:
+            lows = [v - (sp.get(s, (v, v))[0] or 0) for v, sp in zip(values, spread)]
+            highs = [(sp.get(s, (v, v))[1] or 0) - v for v, sp in zip(values, spread)]
+            err = [lows, highs]
+        ax.bar(x + i * width, values, width, label=s, yerr=err, capsize=2)
     ax.set_xticks(x + width * (len(series) - 1) / 2)
     ax.set_xticklabels([g for g, _ in rows], fontsize=8)
     ax.set_ylabel(ylabel)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -15,22 +16,47 @@ from common.redis_server import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def free_port_run(n: int) -> int:
+    """A port p such that p .. p + n - 1 are all free now (replica metrics ports)."""
+    for _ in range(100):
+        base = free_port()
+        if base + n < 65536 and all(_free(base + i) for i in range(1, n)):
+            return base
+    raise RuntimeError(f"no run of {n} free ports found")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 class Stack:
     def __init__(self, *, replicas: int = 2, policy: str = "pull", model: str | None = None,
                  replica_args: list[str] | None = None, device: str = "cpu", scheduler: str | None = None,
-                 extra_args: list[str] | None = None, log_dir: str | None = None, ready_timeout: float = 600):
+                 extra_args: list[str] | None = None, log_dir: str | None = None, ready_timeout: float = 600,
+                 router_args: list[str] | None = None):
         self.port, self.metrics_port = free_port(), free_port()
+        self.replica_metrics_port = free_port_run(replicas)
+        self.replicas = replicas
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="quadriga-bench-stack-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.args = ["-m", "stack", "--replicas", str(replicas), "--policy", policy,
                      "--port", str(self.port), "--metrics-port", str(self.metrics_port),
-                     "--device", device, "--log-dir", str(self.log_dir)]
+                     "--http-port", "0",   # load goes over gRPC; stacks side by side need no port
+                     "--device", device, "--log-dir", str(self.log_dir),
+                     "--replica-metrics-port", str(self.replica_metrics_port)]
         if model:
             self.args += ["--model", model]
         if scheduler:
             self.args += ["--scheduler", scheduler]
         for a in replica_args or []:
             self.args.append(f"--replica-arg={a}")
+        for a in router_args or []:
+            self.args.append(f"--router-arg={a}")
         self.args += extra_args or []
         self.ready_timeout = ready_timeout
         self.proc: subprocess.Popen | None = None
@@ -43,6 +69,10 @@ class Stack:
     @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
+    def replica_metrics_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{self.replica_metrics_port + i}/metrics" for i in range(self.replicas)]
 
     @property
     def command(self) -> str:

@@ -18,10 +18,16 @@ import numpy as np
 @dataclass
 class Request:
     index: int
-    arrival_s: float          # offset from the start of the run
+    arrival_s: float          # offset from the start of the run (a later turn: its conversation's)
     prompt_len: int
     output_len: int
+    # A later turn of a conversation holds only its new message: the load
+    # generator puts the previous prompt and answer before it (prefix_workloads.py).
     prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+    group: int = -1           # shared-prefix: which system prompt
+    conversation: int = -1    # multi-turn: which conversation, and which turn of it
+    turn: int = 0
+    think_s: float = 0.0      # a later turn is sent this long after the previous answer
 
 
 # Lognormal fits shaped like Sarathi-Serve's traces (median and P90 of each length).
@@ -31,6 +37,7 @@ PRESETS = {
     "sharegpt": {"prompt": (1730, 5700), "output": (415, 835), "max_total": 8192},
     "arxiv": {"prompt": (7060, 13000), "output": (208, 370), "max_total": 16384},
 }
+PREFIX_WORKLOADS = ("shared-prefix", "multi-turn")
 Z90 = 1.2815515655446004
 
 
@@ -163,7 +170,7 @@ def build_requests(prompt_lens, output_lens, arrival_s, rng: np.random.Generator
 class WorkloadSpec:
     """Everything that defines a request list; args of the CLI map onto it one to one."""
     num_requests: int = 100
-    workload: str = "synthetic"           # synthetic | sharegpt | arxiv | trace
+    workload: str = "synthetic"           # synthetic | sharegpt | arxiv | trace | shared-prefix | multi-turn
     trace: str | None = None
     prompt_dist: str = "fixed"
     prompt_len: int = 128
@@ -181,6 +188,14 @@ class WorkloadSpec:
     cv: float = 1.0
     seed: int = 0
     vocab_size: int = 512
+    # shared-prefix and multi-turn (prefix_workloads.py); --prompt-* give question
+    # or message lengths there.
+    groups: int = 8
+    questions: int = 16
+    system_len: int = 256
+    conversations: int = 32
+    turns: int = 4
+    think_s: float = 0.0
 
     def describe(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
@@ -193,6 +208,12 @@ def generate(spec: WorkloadSpec, rate: float | None = None) -> list[Request]:
     rng_len = np.random.default_rng([spec.seed, 1])
     rng_arr = np.random.default_rng([spec.seed, 2])
     rng_tok = np.random.default_rng([spec.seed, 3])
+    if spec.workload in PREFIX_WORKLOADS:
+        from benchmarks.harness import prefix_workloads
+
+        make = prefix_workloads.shared_prefix if spec.workload == "shared-prefix" else \
+            prefix_workloads.multi_turn
+        return make(spec, rate, rng_len, rng_arr, rng_tok)
     n = spec.num_requests
     trace_times = None
     if spec.workload in PRESETS:

@@ -247,6 +247,19 @@ def run_side(args, work: Path, name: str, tree: Path) -> list[dict]:
     return rows
 
 
+def tree_commit(tree: Path) -> str:
+    """A tree's commit: its COMMIT file (a copy made by git archive has one, written by
+    prepare-device-cpu-carry.sh), else git's answer if the tree is a checkout's root."""
+    if (tree / "COMMIT").exists():
+        return (tree / "COMMIT").read_text().strip()
+    top = subprocess.run(["git", "-C", str(tree), "rev-parse", "--show-toplevel"],
+                         capture_output=True, text=True).stdout.strip()
+    if not top or Path(top).resolve() != tree.resolve():
+        return "unknown (not a git checkout's root)"
+    return subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.client:
@@ -273,11 +286,8 @@ def main(argv=None) -> int:
         "rows": rows,
     }
     if args.compare:
-        result["baseline_commit"] = subprocess.run(
-            ["git", "-C", str(sides[1][1]), "rev-parse", "HEAD"], capture_output=True,
-            text=True).stdout.strip()
-    result["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
-                                      capture_output=True, text=True).stdout.strip()
+        result["baseline_commit"] = tree_commit(sides[1][1])
+    result["commit"] = tree_commit(ROOT)
     if not args.profile:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

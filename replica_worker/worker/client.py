@@ -24,6 +24,7 @@ from replica_worker.worker import protocol
 from replica_worker.worker.config import WorkerConfig
 from replica_worker.worker.credit import PullCredit
 from replica_worker.worker.engine_loop import AbortRequest, EngineLoop, EngineReport
+from replica_worker.worker.kv_mirror import KVMirror
 from replica_worker.worker.metrics import ReplicaMetrics
 from replica_worker.worker.session_state import RequestBook
 
@@ -48,6 +49,13 @@ class ReplicaWorker:
         self.capacity_msg = capacity_msg
         self.book = RequestBook()
         self.credit = PullCredit(prefetch=config.prefetch)
+        # The router mirrors the prefix cache from this copy (kv_mirror.py). Read
+        # before the engine thread starts: the engine is not thread-safe.
+        self.kv: KVMirror | None = None
+        if engine.prefix_caching_enabled:
+            self.hasher = engine.block_hasher
+            self.kv = KVMirror(engine.cached_block_hashes(),
+                               max_pending=2 * max(1, capacity_msg.num_kv_blocks))
         self.engine_loop = EngineLoop(engine, self._on_report_from_thread)
         self._reports: asyncio.Queue[EngineReport] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -166,6 +174,7 @@ class ReplicaWorker:
             scheduler=self.config.scheduler,
             auth_token=self.config.auth_token,
             held_request_ids=list(self.book.live),
+            prefix_cache=self._prefix_cache_pb(),
         )))
         try:
             first = await call.read()
@@ -188,11 +197,35 @@ class ReplicaWorker:
         finally:
             self._outbox = None
             self._call = None
+            if self.kv is not None:
+                self.kv.end_session()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         for task in done:
             task.result()  # re-raise what ended the session
+
+    def _prefix_cache_pb(self) -> pb.PrefixCache | None:
+        """The whole cache, for Register: a router that restarted, or a stream that
+        came back, starts from the truth; StepOutputs carry the changes after it."""
+        if self.kv is None:
+            return None
+        h = self.hasher
+        return pb.PrefixCache(block_size=h.block_size, hash_scheme=h.scheme, hash_salt=h.salt,
+                              block_hashes=self.kv.snapshot())
+
+    def _kv_events_pb(self) -> pb.KVEvents | None:
+        events = self.kv.take() if self.kv is not None else None
+        if events is None:
+            return None
+        return pb.KVEvents(stored=events.stored, evicted=events.evicted, cleared=events.cleared)
+
+    def _send_kv_events(self) -> None:
+        """Changes with no deltas to ride on: a StepOutputs of KV events alone
+        (not acknowledged: it holds nothing the router could lose)."""
+        events = self._kv_events_pb()
+        if events is not None:
+            self._send(pb.ReplicaMessage(step=pb.StepOutputs(kv_events=events)))
 
     def _send(self, msg: pb.ReplicaMessage | None) -> None:
         if self._outbox is None:
@@ -251,6 +284,8 @@ class ReplicaWorker:
         if resend:
             self._send(pb.ReplicaMessage(step=pb.StepOutputs(step_id=self.book.next_seq(),
                                                              deltas=resend)))
+        # Changes since the Register's snapshot, while the router was answering.
+        self._send_kv_events()
         log.info("registered with router (policy %s); kept %d, dropped %d",
                  reg.policy, len(set(reg.keep_request_ids)), len(abort))
         self._check_drained()
@@ -347,6 +382,8 @@ class ReplicaWorker:
 
     def _send_report(self, report: EngineReport) -> None:
         res = report.result
+        if self.kv is not None and report.kv_events is not None:
+            self.kv.apply(report.kv_events)
         self.book.engine_holds(report.request_ids)
         if report.handed_back:
             self._hand_back(report.handed_back)
@@ -363,7 +400,9 @@ class ReplicaWorker:
             self._send(pb.ReplicaMessage(step=pb.StepOutputs(
                 step_id=seq, deltas=deltas, batch_size=res.batch_size,
                 num_tokens=res.num_tokens, step_time_s=res.step_time,
-                free_kv_blocks=report.load.free_kv_blocks)))
+                free_kv_blocks=report.load.free_kv_blocks, kv_events=self._kv_events_pb())))
+        else:
+            self._send_kv_events()
         if not self.draining:
             grant = self.credit.grant(report.capacity, len(self.book.queued), self.book.queued_tokens)
             if grant:

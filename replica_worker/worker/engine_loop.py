@@ -19,6 +19,7 @@ import torch
 
 from replica_worker.engine.core import EngineCore
 from replica_worker.engine.errors import InvalidRequestError
+from replica_worker.engine.kv_events import KVCacheEvents, PrefixCacheStats
 from replica_worker.engine.outputs import EngineLoad, RequestDelta, StepResult
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.schedulers.base import AdmissionCapacity
@@ -57,6 +58,10 @@ class EngineReport:
     step_id: int = 0
     # Given up after a recoverable engine error: the router resumes them elsewhere.
     handed_back: tuple[str, ...] = ()
+    # The prefix cache's changes since the previous report, and its counters
+    # (None: the engine keeps no prefix cache).
+    kv_events: KVCacheEvents | None = None
+    prefix_stats: PrefixCacheStats | None = None
 
 
 # Exit status of a replica whose accelerator failed (sysexits' EX_SOFTWARE).
@@ -175,24 +180,23 @@ class EngineLoop:
             finish_reason="error", error=error,
         )
 
-    def _report(self, result: StepResult) -> None:
+    def _report(self, result: StepResult, handed_back: tuple[str, ...] = ()) -> None:
+        # Read here, on the engine's own thread: the engine is not thread-safe.
+        engine = self._engine
+        caching = engine.prefix_caching_enabled
         self._on_report(EngineReport(
             result=result,
-            capacity=self._engine.admission_capacity(),
-            load=self._engine.load(),
-            request_ids=tuple(self._engine.request_ids()),
-            step_id=self._engine.step_id,
+            capacity=engine.admission_capacity(),
+            load=engine.load(),
+            request_ids=tuple(engine.request_ids()),
+            step_id=engine.step_id,
+            handed_back=handed_back,
+            kv_events=engine.take_kv_events() if caching else None,
+            prefix_stats=engine.prefix_cache_stats() if caching else None,
         ))
 
     def _hand_back_all(self) -> None:
         ids = tuple(self._engine.request_ids())
         for rid in ids:
             self._engine.abort_request(rid)
-        self._on_report(EngineReport(
-            result=StepResult(deltas=[]),
-            capacity=self._engine.admission_capacity(),
-            load=self._engine.load(),
-            request_ids=(),
-            step_id=self._engine.step_id,
-            handed_back=ids,
-        ))
+        self._report(StepResult(deltas=[]), handed_back=ids)

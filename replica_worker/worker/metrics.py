@@ -59,6 +59,8 @@ class ReplicaMetrics:
         self.running.set(load.running)
         self.waiting.set(load.waiting)
         self.vllm.observe_load(load.running, load.waiting, kv_used)
+        if report.prefix_stats is not None:
+            self.vllm.observe_prefix_cache(report.prefix_stats)
 
 
 class _VllmNames:
@@ -80,6 +82,20 @@ class _VllmNames:
                         "Request arrival to first token", buckets=_TTFT_BUCKETS)
         self.itl = one(Histogram, "vllm:inter_token_latency_seconds",
                        "Gap between consecutive tokens of a request", buckets=_ITL_BUCKETS)
+        # The engine counts cumulatively; these follow it by the difference.
+        self.prefix_queries = one(Counter, "vllm:prefix_cache_queries_total",
+                                  "Tokens looked up in the prefix cache at admission")
+        self.prefix_hits = one(Counter, "vllm:prefix_cache_hits_total",
+                               "Tokens found in the prefix cache at admission")
+        self._prefix_seen = (0, 0)
+
+    def observe_prefix_cache(self, stats) -> None:
+        queries, hits = self._prefix_seen
+        if stats.queries > queries:
+            self.prefix_queries.inc(stats.queries - queries)
+        if stats.hits > hits:
+            self.prefix_hits.inc(stats.hits - hits)
+        self._prefix_seen = (stats.queries, stats.hits)
 
     def observe_load(self, running: int, waiting: int, kv_used: float) -> None:
         self.running.set(running)

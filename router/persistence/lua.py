@@ -73,70 +73,117 @@ return out
 SUBMIT_ITEM_ARGS = 12
 SUBMIT_REPLY_ITEMS = 3
 
-# Atomic peek-check-pop. KEYS: queue zset, inflight zset.
-# ARGV: prefix, replica, max_requests, max_prompt_tokens (-1: no limit),
-#       lease expiry, now, pop token
-# Takes from the head while token credit is left (head-of-line: arrival order
-# holds). The last request taken may overrun the credit: a replica grants tokens
-# for the prefill it can start soon, and a prompt longer than that must still
-# start on a replica with room. Cost = prompt + output so far (recomputed).
-# The caller becomes the back router; each taken request's assignment ordinal
-# (`ao`, one counter for all routers) and Redis time (`pat`) record the global
-# order of assignment (SUBMIT records `sat`, when it was stored).
-# Other fronts hear that it left the queue ('a').
+# What both pops share. KEYS: queue zset, inflight zset.
+# ARGV: prefix, replica, lease expiry, now, pop token, max_requests,
+#       max_prompt_tokens (-1: no limit), then each pop's own.
+# A pop leases each request it takes: the caller becomes the back router; the
+# request's assignment ordinal (`ao`, one counter for all routers) and Redis
+# time (`pat`) record the global order of assignment (SUBMIT records `sat`,
+# when it was stored), and its other fronts hear that it left the queue ('a').
+# A pop that ran before (same token) takes nothing more and returns what it
+# took then (`again`: the pop's own body is skipped).
+# take_from_head: from the head while token credit is left (head-of-line:
+# queue order holds). The last request taken may overrun the credit: a
+# replica grants tokens for the prefill it can start soon, and a prompt longer
+# than that must still start on a replica with room. Cost = prompt + output so
+# far (recomputed). Members whose request left the queue are dropped.
 # -> 5 per request: id, assignment count, requeues, output tokens so far, and
 #    its whole record (record_) when the caller is not one of its fronts (it
 #    may not hold it: lazy adoption), else ''.
-# A pop that ran before (same token) returns what it took then.
-POP = fenced("""
+_POP_PRELUDE = """
 local prefix, replica = ARGV[1], ARGV[2]
-local n, budget = tonumber(ARGV[3]), tonumber(ARGV[4])
-local done = prefix .. 'pop:' .. ARGV[7]
+local done = prefix .. 'pop:' .. ARGV[5]
+local again = redis.call('EXISTS', done) == 1
 local taken = {}
-if redis.call('EXISTS', done) == 1 then
-  taken = redis.call('LRANGE', done, 0, -1)
-elseif n > 0 then
+if again then taken = redis.call('LRANGE', done, 0, -1) end
+local function lease(h, id, member)
+  redis.call('ZREM', KEYS[1], member)
+  redis.call('ZADD', KEYS[2], ARGV[3], id)
+  redis.call('HSET', h, 'st', 'r', 'o', replica, 'q', '', 'asg', ARGV[4], 'br', router_,
+    'ao', redis.call('INCR', prefix .. 'ao'), 'pat', now_)
+  local count = redis.call('HINCRBY', h, 'n', 1)
+  tell_fronts_(h, 'k', 'a', 'id', id, 'n', count)
+  taken[#taken + 1] = id
+end
+local function take_from_head()
+  local n, budget = tonumber(ARGV[6]), tonumber(ARGV[7])
   local limited = budget >= 0
-  local heads = redis.call('ZRANGE', KEYS[1], 0, n - 1)
-  for _, m in ipairs(heads) do
+  if n <= 0 then return end
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, n - 1)) do
     local id = string.sub(m, 30)
     local h = prefix .. 'req:' .. id
     if redis.call('HGET', h, 'st') ~= 'q' then
       redis.call('ZREM', KEYS[1], m)
     else
       if limited and budget <= 0 then break end
-      local cost = tonumber(redis.call('HGET', h, 'pl'))
-        + math.floor(redis.call('STRLEN', prefix .. 'out:' .. id) / 4)
-      budget = budget - cost
-      redis.call('ZREM', KEYS[1], m)
-      redis.call('ZADD', KEYS[2], ARGV[5], id)
-      redis.call('HSET', h, 'st', 'r', 'o', replica, 'q', '', 'asg', ARGV[6], 'br', router_,
-        'ao', redis.call('INCR', prefix .. 'ao'), 'pat', now_)
-      local count = redis.call('HINCRBY', h, 'n', 1)
-      tell_fronts_(h, 'k', 'a', 'id', id, 'n', count)
-      taken[#taken + 1] = id
+      budget = budget - tonumber(redis.call('HGET', h, 'pl'))
+        - math.floor(redis.call('STRLEN', prefix .. 'out:' .. id) / 4)
+      lease(h, id, m)
     end
   end
-  if #taken > 0 then
+end
+local function reply()
+  if #taken > 0 and not again then
     redis.call('RPUSH', done, unpack(taken))
     redis.call('EXPIRE', done, 300)
   end
+  local out = {}
+  for _, id in ipairs(taken) do
+    local h = prefix .. 'req:' .. id
+    local count, rq = unpack(redis.call('HMGET', h, 'n', 'rq'))
+    local mine = false
+    for _, r in ipairs(fronts_(h)) do mine = mine or r == router_ end
+    out[#out + 1] = id
+    out[#out + 1] = count or '0'
+    out[#out + 1] = rq or '0'
+    out[#out + 1] = math.floor(redis.call('STRLEN', prefix .. 'out:' .. id) / 4)
+    if mine then out[#out + 1] = '' else out[#out + 1] = record_(id) end
+  end
+  return out
 end
-local out = {}
-for _, id in ipairs(taken) do
-  local h = prefix .. 'req:' .. id
-  local count, rq = unpack(redis.call('HMGET', h, 'n', 'rq'))
-  local mine = false
-  for _, r in ipairs(fronts_(h)) do mine = mine or r == router_ end
-  out[#out + 1] = id
-  out[#out + 1] = count or '0'
-  out[#out + 1] = rq or '0'
-  out[#out + 1] = math.floor(redis.call('STRLEN', prefix .. 'out:' .. id) / 4)
-  if mine then out[#out + 1] = '' else out[#out + 1] = record_(id) end
-end
-return out
-""")
+"""
 POP_REPLY_ITEMS = 5
+
+# Atomic peek-check-pop: take_from_head, nothing else.
+POP = fenced(_POP_PRELUDE + """
+if not again then take_from_head() end
+return reply()
+""")
+
+# Named pop: the requests a policy chose (pull affinity), those still queued in
+# that queue, leased as POP does, in the order given. Credit is the router's to
+# check (it chose within it). ARGV after the prelude's: queue name, the first
+# request of that queue the router holds (its policy saw nothing older), then
+# the ids. The router chooses only among the requests it holds; when the
+# queue's first request is not that one (another router's, older: the caller
+# cannot see it), it takes from the head as POP does, so work other routers
+# submitted is never passed over for good.
+POP_IDS = fenced(_POP_PRELUDE + """
+local qname, known = ARGV[8], ARGV[9]
+local function first_queued()
+  while true do
+    local m = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+    if not m then return nil end
+    local id = string.sub(m, 30)
+    if redis.call('HGET', prefix .. 'req:' .. id, 'st') == 'q' then return id end
+    redis.call('ZREM', KEYS[1], m)
+  end
+end
+if not again then
+  local first = first_queued()
+  if first and first ~= known then
+    take_from_head()
+  else
+    for i = 10, #ARGV do
+      local id = ARGV[i]
+      local h = prefix .. 'req:' .. id
+      local st, q, m = unpack(redis.call('HMGET', h, 'st', 'q', 'm'))
+      if st == 'q' and q == qname then lease(h, id, m) end
+    end
+  end
+end
+return reply()
+""")
 
 # Back to the FRONT of a queue: same score and member as at arrival.
 # ARGV: prefix, then 5 per request: id, queue name, expected owner,

@@ -112,6 +112,7 @@ class Store:
                               tls=issubclass(pool.connection_class, aioredis.SSLConnection))
         self._submit = self.lean.script(lua.SUBMIT)
         self._pop = self.lean.script(lua.POP)
+        self._pop_ids = self.lean.script(lua.POP_IDS)
         self._step = self.lean.script(lua.STEP)
         self._requeue = self.lean.script(lua.REQUEUE)
         self._move = self.lean.script(lua.MOVE)
@@ -174,10 +175,27 @@ class Store:
             lease_expiry: float, now: float, token: str) -> Write:
         """Takes from the head while token credit is left (None: no token limit).
         Reply: lua.POP's flat list; `popped` reads it."""
-        tokens = -1 if max_prompt_tokens is None else max(0, max_prompt_tokens)
-        return Write(self._pop, (self.queue_key(queue), self.inflight_key, self.prefix, replica,
-                                 max_requests, tokens, repr(lease_expiry), repr(now), token),
+        return Write(self._pop, self._pop_args(queue, replica, max_requests, max_prompt_tokens,
+                                               lease_expiry, now, token),
                      reply_arity=-1, numkeys=2)
+
+    def pop_ids(self, queue: str, replica: str, max_requests: int, max_prompt_tokens: int | None,
+                lease_expiry: float, now: float, token: str, known_first: str,
+                ids: list[str]) -> Write:
+        """Takes these requests, those still queued in `queue`, in this order; when
+        the queue's first request is not `known_first` (the oldest this router holds
+        there), from the head as `pop` does. Reply: as `pop`'s."""
+        return Write(self._pop_ids, self._pop_args(queue, replica, max_requests, max_prompt_tokens,
+                                                   lease_expiry, now, token)
+                     + (queue, known_first, *ids),
+                     reply_arity=-1, numkeys=2)
+
+    def _pop_args(self, queue, replica, max_requests, max_prompt_tokens, lease_expiry, now,
+                  token) -> tuple:
+        """lua._POP_PRELUDE's keys and arguments."""
+        tokens = -1 if max_prompt_tokens is None else max(0, max_prompt_tokens)
+        return (self.queue_key(queue), self.inflight_key, self.prefix, replica,
+                repr(lease_expiry), repr(now), token, max_requests, tokens)
 
     @staticmethod
     def popped(reply) -> list["Popped"]:

@@ -16,10 +16,12 @@ import time
 
 import grpc
 
+from common.block_hash import BlockHasher
 from common.pb.quadriga.v1 import replica_pb2 as rpb
 from common.pb.quadriga.v1 import replica_pb2_grpc
 from router.malformed import MalformedMessage, check_message
 from router.persistence.writer import PermanentWriteError
+from router.prefix.index import HasherMismatch
 from router.replicas.ops import ReplicaFault
 from router.replicas.registry import ReplicaSession
 
@@ -67,14 +69,31 @@ class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
                                 "(set the same QUADRIGA_MODEL_NAME / QUADRIGA_ROUTER_MODEL_NAME)")
         return reg
 
+    async def _prefix_hasher(self, reg: rpb.Register, context) -> BlockHasher | None:
+        """How the replica addresses its cache's blocks; refused unless every replica
+        of this router does it alike (the router computes one set of hashes)."""
+        if not reg.HasField("prefix_cache"):
+            return None
+        pc = reg.prefix_cache
+        try:
+            hasher = BlockHasher(pc.block_size, pc.hash_salt, pc.hash_scheme)
+            self.ops.check_prefix_hasher(reg.replica_id, hasher)
+        except (ValueError, HasherMismatch) as exc:
+            self.metrics.rejections.labels("replica_prefix_cache").inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"replica {reg.replica_id!r} cannot join: {exc}")
+        return hasher
+
     async def Connect(self, request_iterator, context):
         if self.lifecycle.stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
         it = request_iterator.__aiter__()
         reg = await self._register(it, context)
-        session = ReplicaSession(reg.replica_id, reg, self.metrics)
+        hasher = await self._prefix_hasher(reg, context)
+        session = ReplicaSession(reg.replica_id, reg, self.metrics, hasher)
         try:
-            keep = await self.ops.join(session, list(reg.held_request_ids))
+            keep = await self.ops.join(session, list(reg.held_request_ids),
+                                       reg.prefix_cache.block_hashes)
         except PermanentWriteError as exc:  # fenced: this router is starting over
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the router cannot take replicas: {exc}")
         log.info("replica %s joined (model %s, keeps %d)", session.id, reg.model, len(keep))

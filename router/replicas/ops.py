@@ -10,6 +10,11 @@ How a replica leaves decides what happens to its work:
   be trusted or its leases have lapsed, so its work is requeued at once;
 - it handed work back (drain, a recoverable engine error): requeued at once.
 
+The router's view of the replica's prefix cache (router/prefix/index.py)
+follows the same rule: replaced by the snapshot of every Register, kept
+while a broken stream may still come back within a lease, dropped at once
+when the replica was dropped.
+
 A replica may register with any router; requests it holds that another
 router ran (that router died, or the replica moved on after a break) are
 adopted at Register (lua_routers.ADOPT): this router becomes their back
@@ -34,7 +39,7 @@ class ReplicaFault(Exception):
 
 class ReplicaOps:
     def __init__(self, table, scheduler, registry, metrics, vocab_size: int, lease_ttl: float,
-                 store, writer):
+                 store, writer, prefix_index):
         self.table = table
         self.scheduler = scheduler
         self.registry = registry
@@ -43,9 +48,14 @@ class ReplicaOps:
         self.lease_ttl = lease_ttl
         self.store = store
         self.writer = writer
+        self.prefix_index = prefix_index
 
     # ---- membership ----
-    async def join(self, session, held: list[str]) -> list[str]:
+    def check_prefix_hasher(self, replica_id: str, hasher) -> None:
+        """Raises HasherMismatch unless the replica addresses blocks as the others do."""
+        self.prefix_index.check_hasher(replica_id, hasher)
+
+    async def join(self, session, held: list[str], cached_hashes=()) -> list[str]:
         """Registers the session; returns the held requests it keeps running.
         Raises PermanentWriteError when Redis refuses (this router is fenced)."""
         mine = {r.id for r in self.table.owned_by(session.id)}
@@ -56,6 +66,10 @@ class ReplicaOps:
         if old is not None:
             old.close(None)
             self.scheduler.detach(old)
+        if session.prefix_hasher is not None:
+            self.prefix_index.replace(session.id, session.prefix_hasher, cached_hashes)
+        else:
+            self.prefix_index.drop(session.id)
         held_set = set(held)
         keep = []
         for rid, flat in zip(foreign, records):
@@ -72,7 +86,7 @@ class ReplicaOps:
                 keep.append(req.id)
             else:
                 # Bound to this replica, which no longer has it: resume it elsewhere.
-                self.table.requeue(req, self.scheduler.requeue_queue(req.cost, None), "lost_by_replica")
+                self.table.requeue(req, self.scheduler.requeue_queue(req, None), "lost_by_replica")
         self.metrics.replicas.set(len(self.registry))
         self.scheduler.attach(session)
         return keep
@@ -84,10 +98,14 @@ class ReplicaOps:
             return  # replaced by a newer session of the same replica
         self.scheduler.detach(session)
         self.writer.post(self.store.replica_left(session.id))
+        if requeue_now:
+            self.prefix_index.drop(session.id)
+        else:
+            self.prefix_index.depart(session.id, time.monotonic() + self.lease_ttl)
         deadline = time.time() + self.lease_ttl if not requeue_now else 0.0
         for req in self.table.owned_by(session.id):
             if requeue_now:
-                self.table.requeue(req, self.scheduler.requeue_queue(req.cost, session.id), reason)
+                self.table.requeue(req, self.scheduler.requeue_queue(req, session.id), reason)
             elif req.phase is Phase.RUNNING:
                 self.table.detach(req, deadline)
         self.metrics.replicas.set(len(self.registry))
@@ -98,10 +116,15 @@ class ReplicaOps:
         self.table.forget_replica(replica_id)
         self.metrics.forget_replica(replica_id)
 
+    def expire_prefix_views(self, mono_now: float) -> None:
+        """Drops the cache views of replicas whose stream broke a lease ago."""
+        for replica_id in self.prefix_index.expire(mono_now):
+            log.info("replica %s did not come back: its prefix cache view is dropped", replica_id)
+
     def lease_lapsed(self, req) -> None:
         """A DETACHED request whose replica did not come back in time."""
         owner = req.owner
-        self.table.requeue(req, self.scheduler.requeue_queue(req.cost, owner), "lease_expired")
+        self.table.requeue(req, self.scheduler.requeue_queue(req, owner), "lease_expired")
         if owner not in self.registry.sessions and not self.table.owned_by(owner):
             self._forget(owner)
 
@@ -129,17 +152,28 @@ class ReplicaOps:
         for rid in msg.request_ids:
             req = self.table.get(rid)
             if req is not None and req.owner == session.id and req.live:
-                self.table.requeue(req, self.scheduler.requeue_queue(req.cost, session.id), "hand_back")
+                self.table.requeue(req, self.scheduler.requeue_queue(req, session.id), "hand_back")
 
     def on_step(self, session, step) -> None:
+        if step.HasField("kv_events"):
+            self._on_kv_events(session, step.kv_events)
+            if not step.deltas:
+                return  # events alone: nothing to record or acknowledge
+        if session.prefill_rate.observe(step.num_tokens, step.batch_size, step.step_time_s):
+            self.metrics.prefill_rate_of(session.id).set(session.prefill_tokens_per_s)
         diverged: list = []
         items = self.check_step(session, step, diverged)
         if diverged:
             session.send_cancel([r.id for r in diverged])
             for req in diverged:
-                self.table.requeue(req, self.scheduler.requeue_queue(req.cost, session.id), "diverged")
+                self.table.requeue(req, self.scheduler.requeue_queue(req, session.id), "diverged")
         step_id = step.step_id
         self.table.record_step(items, session.id, lambda: session.send_ack(step_id))
+
+    def _on_kv_events(self, session, events) -> None:
+        if session.prefix_hasher is None:
+            raise ReplicaFault("KV events from a replica that registered no prefix cache")
+        self.prefix_index.apply(session.id, events.stored, events.evicted, events.cleared)
 
     def check_step(self, session, step, diverged: list) -> list:
         """Validates a whole StepOutputs before any of it is applied.

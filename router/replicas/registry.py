@@ -11,6 +11,7 @@ import grpc
 
 from common.pb.quadriga.v1 import replica_pb2 as rpb
 from router.replicas import wire
+from router.replicas.prefill_rate import PrefillRate
 
 _join_seq = itertools.count()
 OUTBOX_LIMIT = 10_000     # messages waiting to be written to one replica
@@ -18,11 +19,12 @@ RELEASED_LIMIT = 10_000   # cancelled ids remembered per session (late deltas ar
 
 
 class ReplicaSession:
-    def __init__(self, replica_id: str, register: rpb.Register, metrics=None):
+    def __init__(self, replica_id: str, register: rpb.Register, metrics=None, prefix_hasher=None):
         self.id = replica_id
         self.model = register.model
         self.capacity = register.capacity
         self.scheduler = register.scheduler
+        self.prefix_hasher = prefix_hasher      # BlockHasher of its prefix cache; None: it has none
         self.join_seq = next(_join_seq)
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.last_seen = time.monotonic()
@@ -32,8 +34,13 @@ class ReplicaSession:
         self.closed = False
         self.close_status: tuple[grpc.StatusCode, str] | None = None
         self.metrics = metrics
+        self.prefill_rate = PrefillRate()       # from its StepOutputs
         self._ack_to = 0            # highest step_id durable; sent by _send_ack_now
         self._ack_due = False
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        return self.prefill_rate.tokens_per_s
 
     def send(self, msg: rpb.RouterMessage) -> None:
         if self.closed:

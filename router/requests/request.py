@@ -86,6 +86,10 @@ class RequestState:
         self.preemptions = 0
         self.preemption_base = 0              # preemptions before the current assignment
         self.requeues = 0
+        # Its context's block hashes, computed by router/prefix on first use and
+        # extended as output arrives (tokens are only appended).
+        self.block_hashes: list[int] = []
+        self.block_hasher = None
 
     @property
     def cost(self) -> int:

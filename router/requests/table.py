@@ -37,6 +37,7 @@ from typing import Callable
 
 from router.persistence.store import Popped, Store, pack_logprobs, pack_tokens
 from router.persistence.writer import RedisWriter
+from router.requests.queue_order import QueueOrder
 from router.requests.remote import CrossRouter
 from router.requests.request import CANCELLED, ERROR, Phase, RequestState, Subscriber
 from router.requests.spec import RequestSpec, sampling_fields
@@ -56,6 +57,7 @@ class RequestTable(CrossRouter):
         self.max_requeues = max_requeues
         self.requests: dict[str, RequestState] = {}
         self._queued: dict[str, dict[str, RequestState]] = {}
+        self._order: dict[str, QueueOrder] = {}   # the same requests, in queue order
         self._owned: dict[str, dict[str, RequestState]] = {}
         self._detached: dict[str, RequestState] = {}
         self._load: dict[str, int] = {}
@@ -79,6 +81,11 @@ class RequestTable(CrossRouter):
     def queued_in(self, queue: str) -> list[RequestState]:
         """Queued requests of one queue, in queue order."""
         return sorted(self._queued.get(queue, {}).values(), key=lambda r: r.order)
+
+    def oldest_queued(self, queue: str, n: int) -> list[RequestState]:
+        """The first n poppable (confirmed) requests of a queue, in queue order."""
+        order = self._order.get(queue)
+        return order.first(n, lambda r: r.confirmed) if order is not None else []
 
     def queued_count(self, queue: str) -> int:
         """Queued requests whose submit is durable: only those are popped, so a
@@ -109,6 +116,7 @@ class RequestTable(CrossRouter):
     def _enqueue(self, req: RequestState, queue: str) -> None:
         req.phase, req.queue, req.owner = Phase.QUEUED, queue, None
         self._queued.setdefault(queue, {})[req.id] = req
+        self._order.setdefault(queue, QueueOrder()).add(req)
         if req.confirmed:
             self._confirmed[queue] = self._confirmed.get(queue, 0) + 1
         self._add_load(queue, req.cost)
@@ -116,6 +124,7 @@ class RequestTable(CrossRouter):
 
     def _dequeue(self, req: RequestState) -> None:
         del self._queued[req.queue][req.id]
+        self._order[req.queue].remove(req)
         if req.confirmed:
             self._confirmed[req.queue] -= 1
         self._add_load(req.queue, -req.cost)
@@ -147,6 +156,7 @@ class RequestTable(CrossRouter):
         if not self._owned.get(replica_id) and not self._queued.get(queue):
             self._owned.pop(replica_id, None)
             self._queued.pop(queue, None)
+            self._order.pop(queue, None)
             self._confirmed.pop(queue, None)
             self._load.pop(replica_id, None)
 

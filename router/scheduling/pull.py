@@ -1,17 +1,23 @@
 """The pull scheduler: owns every replica's pull credit and assigns queued work
-against it, asking the policy which queue each puller takes from.
+against it, asking the policy which queue each puller takes from and which of
+its requests (by default the head, in order; pull affinity chooses).
 
 One task does all assignment, woken by an event (a Pull, a confirmed
-arrival, a requeue): no timers, no busy loop. Pops go through the ordered
+arrival, a requeue), or by the one timer a policy asks for when it left
+work for another replica that becomes takeable later: no busy loop. Pops go through the ordered
 Redis writer, so a stalled Redis pauses dispatch and nothing else. The atomic
-Lua pop gives each request to exactly one replica. An Assign is sent the
-moment its pop returns, before anything else is done.
+Lua pop gives each request to exactly one replica, a named pop (the
+policy's picks) too. An Assign is sent the moment its pop returns, before
+anything else is done. Every placement's cache hit, and the best available,
+go to the prefix metrics (router/prefix/matcher.py).
 
 The shared queue is shared by every router on the Redis: what waits in it
 is known from arrivals (this router's, and other routers' through their
 kick events, events.py), not from memory. A pop takes requests this router
 does not hold with their record (lazy adoption). Per-replica policies pop a
-replica's own queue first, then the shared queue.
+replica's own queue first, then the shared queue. A policy chooses only
+among the requests this router holds; the named pop takes from the head
+instead whenever the queue's first request is not one of them.
 """
 
 from __future__ import annotations
@@ -25,22 +31,28 @@ import uuid
 from router.requests.record import state_from_record
 from router.requests.request import Phase
 from router.scheduling.credit import Credit
-from router.scheduling.policies import PENDING, make_policy, replica_queue
+from router.scheduling.policies import (PENDING, Arrival, PolicySettings, make_policy,
+                                        replica_queue)
+from router.scheduling.policies.base import FIFO
 
 log = logging.getLogger(__name__)
 
 
 class PullScheduler:
-    def __init__(self, table, store, writer, policy_name: str, lease_ttl: float):
+    def __init__(self, table, store, writer, policy_name: str, lease_ttl: float, prefix,
+                 settings: PolicySettings = PolicySettings(), metrics=None):
         self.table = table
         self.store = store
         self.writer = writer
         self.lease_ttl = lease_ttl
-        self.policy = make_policy(policy_name, self)
+        self.prefix = prefix                # router/prefix/matcher.PrefixMatcher
+        self.metrics = metrics
+        self.policy = make_policy(policy_name, self, settings)
         self._credit: dict[str, Credit] = {}
         self._sessions: dict[str, object] = {}   # replica id -> its live session handle
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._retry: asyncio.TimerHandle | None = None
         self._pop_ids = itertools.count()
         self._pop_prefix = uuid.uuid4().hex[:12]
         self._shared_work = True   # the shared queue may hold work (cleared by an empty pop)
@@ -52,6 +64,9 @@ class PullScheduler:
     # ---- what the policy context offers ----
     def load_of(self, replica_id: str) -> int:
         return self.table.load_of(replica_id)
+
+    def oldest(self, queue: str, n: int) -> list:
+        return self.table.oldest_queued(queue, n)
 
     # ---- membership ----
     def attach(self, session) -> None:
@@ -85,19 +100,24 @@ class PullScheduler:
                 if not s.closed and not s.draining and s.id != exclude]
 
     # ---- placement ----
-    def arrival_queue(self, cost: int) -> str:
-        target = self.policy.select(cost, self.live())
-        return replica_queue(target.id) if target else PENDING
+    def arrival_queue(self, prompt_ids: list[int], max_tokens: int) -> str:
+        return self._place(Arrival(prompt_ids, max_tokens), self.live())
 
-    def requeue_queue(self, cost: int, leaving: str | None) -> str:
-        target = self.policy.select(cost, self.live(exclude=leaving))
-        return replica_queue(target.id) if target else PENDING
+    def requeue_queue(self, req, leaving: str | None) -> str:
+        return self._place(req, self.live(exclude=leaving))
+
+    def _place(self, work, live) -> str:
+        target = self.policy.select(work, live)
+        if target is None:
+            return PENDING
+        self.prefix.record(work, target.id, [s.id for s in live], self.policy.uses_prefix_cache)
+        return replica_queue(target.id)
 
     def redistribute(self, queue: str) -> None:
         """Re-places the requests waiting in `queue` through the policy."""
         exclude = queue[2:] if queue.startswith("r:") else None
         for req in self.table.queued_in(queue):
-            dest = self.requeue_queue(req.cost, exclude)
+            dest = self.requeue_queue(req, exclude)
             if dest != queue:
                 self.table.move(req, dest)
 
@@ -119,6 +139,8 @@ class PullScheduler:
     async def stop(self) -> None:
         """Stops assigning; an Assign whose pop is in flight is still sent."""
         self.paused = True
+        if self._retry is not None:
+            self._retry.cancel()
         if self._task is not None:
             self._wake.set()
             try:
@@ -176,16 +198,53 @@ class PullScheduler:
                 if queue is not None:
                     progress |= await self._serve(session, queue)
 
-    async def _serve(self, session, queue: str) -> bool:
-        credit = self._credit[session.id]
+    def _pop(self, session, queue: str, credit: Credit):
+        """The pop for this Pull, and why each request it may take is taken
+        (None: from the head, in order)."""
         seats = credit.seats(len(self.table.owned_by(session.id)))
+        others = [s.id for s in self.live(exclude=session.id)]
+        # A policy chooses among the requests this router holds; holding none
+        # of this queue, it takes the head (other routers' work, in order).
+        held = self.table.oldest_queued(queue, 1)
+        choice = self.policy.choose(session, queue, seats, credit.token_limit, others) if held else None
         now = time.time()
         token = f"{self._pop_prefix}:{next(self._pop_ids)}"
-        if queue == PENDING:
+        if choice is None:
+            return self.store.pop(queue, session.id, seats, credit.token_limit,
+                                  now + self.lease_ttl, now, token), None
+        if choice.retry_in is not None:
+            self._retry_in(choice.retry_in)
+        # Sent even with no picks: the queue's first request may be another
+        # router's, which this router cannot see and must not pass over.
+        return (self.store.pop_ids(queue, session.id, seats, credit.token_limit,
+                                   now + self.lease_ttl, now, token, held[0].id,
+                                   [r.id for r, _ in choice.picks]),
+                {r.id: why for r, why in choice.picks})
+
+    def _retry_in(self, seconds: float) -> None:
+        """One timer, the earliest asked for: a round then runs with no event."""
+        loop = asyncio.get_running_loop()
+        when = loop.time() + max(seconds, 0.001)
+        if self._retry is not None and self._retry.when() <= when:
+            return
+        if self._retry is not None:
+            self._retry.cancel()
+        self._retry = loop.call_at(when, self._retried)
+
+    def _retried(self) -> None:
+        self._retry = None
+        self.kick()
+
+    async def _serve(self, session, queue: str) -> bool:
+        credit = self._credit[session.id]
+        pop, reasons = self._pop(session, queue, credit)
+        named = reasons is not None
+        if queue == PENDING and not named:
             self._shared_work = False   # an arrival during the pop sets it again
-        popped = self.store.popped(await self.writer.call(self.store.pop(
-            queue, session.id, seats, credit.token_limit, now + self.lease_ttl, now, token)))
+        popped = self.store.popped(await self.writer.call(pop))
         if not popped:
+            if named:
+                return False   # its picks went elsewhere meanwhile: proves nothing about the queue
             if queue != PENDING:
                 self._own_work.discard(session.id)
                 return self._shared_work   # the shared queue is next
@@ -201,9 +260,10 @@ class PullScheduler:
         if session.closed or self._sessions.get(session.id) is not session:
             # The replica went away during the pop: it never saw this work.
             for req in taken:
-                self.table.requeue(req, self.requeue_queue(req.cost, session.id), "replica_gone")
+                self.table.requeue(req, self.requeue_queue(req, session.id), "replica_gone")
             return True
         session.send_assignments(taken)
+        self._record_picks(session, taken, reasons)
         return True
 
     async def _take(self, session, popped) -> list:
@@ -231,8 +291,16 @@ class PullScheduler:
             except Exception as exc:  # it cannot start from output it does not have
                 log.warning("reading %d popped requests back failed (%s); requeued", len(stale), exc)
                 for req in stale:
-                    self.table.requeue(req, self.requeue_queue(req.cost, None), "resync_failed")
+                    self.table.requeue(req, self.requeue_queue(req, None), "resync_failed")
                 records = []
             for req, rec in zip(stale, records):
                 self.table.resync(req, rec)
         return [r for r in taken if r.phase is Phase.RUNNING and r.owner == session.id]
+
+    def _record_picks(self, session, taken, reasons: dict | None) -> None:
+        live = [s.id for s in self.live()]
+        uses_cache = self.policy.uses_prefix_cache
+        for req in taken:
+            self.prefix.record(req, session.id, live, uses_cache)
+            if self.metrics is not None:
+                self.metrics.pull_pick(reasons.get(req.id, FIFO) if reasons else FIFO).inc()

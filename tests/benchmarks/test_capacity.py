@@ -108,3 +108,12 @@ def test_plot_capacity_overlays_searches(tmp_path, capsys):
     no_rule.write_text(json.dumps({k: v for k, v in _search_result(4.0, [4]).items() if k != "rule"}))
     with pytest.raises(SystemExit, match="no rule"):
         main(["plot-capacity", str(no_rule), "--out", str(out)])
+
+
+def test_a_p99_ttft_bound_fails_a_probe_only_when_given():
+    s = {"errors": 0, "tbt_s": {"p99": 0.05}, "server_scheduling_delay_s": {"p50": 0.5},
+         "ttft_s": {"p99": 2.5}}
+    assert probe_passes(s, 0.1)[0]
+    ok, why = probe_passes(s, 0.1, ttft_p99_s=2.0)
+    assert not ok and "p99 TTFT 2.5 > 2.0" in why
+    assert probe_passes({**s, "ttft_s": {"p99": 1.5}}, 0.1, ttft_p99_s=2.0)[0]

@@ -58,7 +58,23 @@ def test_harness_live_capacity_search(tmp_path):
     result = _harness(tmp_path, "capacity", "--initial-rate", "2", "--max-probes", "2", "-n", "6",
                       "--tbt-slo", "5")
     assert result["complete"] is True and len(result["probes"]) == 2
-    assert result["rule"] == {"tbt_p99_s": 5.0, "sched_delay_p50_s": 2.0, "keep_up": 0.9}
+    assert result["rule"] == {"tbt_p99_s": 5.0, "sched_delay_p50_s": 2.0, "keep_up": 0.9, "ttft_p99_s": None}
     assert result["probes"][0]["passed"] and result["capacity_req_s"] >= 2
     assert all(p["summary"]["offered_req_s"] and p["summary"]["admitted_req_s"] for p in result["probes"])
     assert (tmp_path / "capacity-capacity.png").stat().st_size > 0
+
+
+def test_harness_multi_turn_builds_each_turn_from_the_answers(tmp_path):
+    """Every later turn's prompt is the earlier prompt, the answer and a new
+    message: the router counts exactly the planned prompt tokens for each, and
+    the replicas find the earlier turns cached."""
+    result = _harness(tmp_path, "run", "--workload", "multi-turn", "--conversations", "4", "--turns", "3",
+                      "--system-len", "0", "--rate", "5")
+    s = result["summary"]
+    assert s["finished"] == s["exact_output_length"] == 12, s
+    rows = list(csv.DictReader(open(tmp_path / "run.csv")))
+    assert sorted(int(r["prompt_len"]) for r in rows) == sorted(int(r["server_prompt_tokens"]) for r in rows)
+    assert all(r["prompt_len"] == r["server_prompt_tokens"] for r in rows)
+    hits = s["prefix_cache"]
+    assert hits["engine_hit_rate"] > 0 and hits["oracle_hit_rate"] >= hits["router_hit_rate"] > 0
+    assert 0 < s["workload_reusable_prompt_share"] < 1

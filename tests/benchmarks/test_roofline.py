@@ -35,3 +35,18 @@ def test_workload_limit_memory_then_compute_bound():
     assert big["bound"] == "compute"
     two = workload_limit(s, hw, mean_prompt=1000, mean_output=200, batch=1, replicas=2)
     assert two["req_s"] == pytest.approx(2 * small["req_s"])
+
+
+def test_model_dir_writes_each_known_shape(tmp_path):
+    """Config-only folders a replica loads with dummy weights: the 8B shape and the
+    CPU shape the prefix figures use, each with the tiny model's tokenizer."""
+    import json
+
+    from benchmarks.harness.cli import main
+
+    for shape, hidden, vocab in (("llama-3.1-8b", 4096, 128256), ("cpu-small", 128, 512)):
+        out = tmp_path / shape
+        assert main(["model-dir", str(out), "--shape", shape]) == 0
+        config = json.loads((out / "config.json").read_text())
+        assert (config["hidden_size"], config["vocab_size"]) == (hidden, vocab)
+        assert (out / "tokenizer.json").exists()

@@ -98,3 +98,43 @@ def test_trace_csv_errors(tmp_path):
     bad.write_text("prompt_tokens,output_tokens\n0,3\n")
     with pytest.raises(ValueError, match="at least 1"):
         read_trace(bad)
+
+
+def test_shared_prefix_groups_share_their_system_prompt_and_interleave():
+    from collections import Counter
+
+    spec = WorkloadSpec(workload="shared-prefix", groups=4, questions=5, system_len=24, prompt_len=6,
+                        output_len=3, rate=10.0, vocab_size=200, seed=2)
+    reqs = generate(spec)
+    assert len(reqs) == 20 and Counter(r.group for r in reqs) == {g: 5 for g in range(4)}
+    systems = {r.group: tuple(r.prompt_token_ids[:24]) for r in reqs}
+    assert len(set(systems.values())) == 4
+    for r in reqs:
+        assert tuple(r.prompt_token_ids[:24]) == systems[r.group] and r.prompt_len == 30
+    groups = [r.group for r in sorted(reqs, key=lambda r: r.arrival_s)]
+    assert sum(a != b for a, b in zip(groups, groups[1:])) > 5, "groups should interleave"
+    assert [r.prompt_token_ids for r in generate(spec, rate=1.0)] == [r.prompt_token_ids for r in reqs]
+    with pytest.raises(ValueError, match="max-total"):
+        generate(WorkloadSpec(**{**spec.describe(), "max_total": 31}))
+
+
+def test_multi_turn_prompt_lengths_add_up_turn_by_turn():
+    from benchmarks.harness.prefix_workloads import conversations, reusable_tokens
+
+    spec = WorkloadSpec(workload="multi-turn", conversations=3, turns=3, system_len=10,
+                        prompt_dist="uniform", prompt_min=4, prompt_max=9, output_len=5, rate=2.0,
+                        vocab_size=100, seed=4)
+    reqs = generate(spec)
+    singles, chains = conversations(reqs)
+    assert not singles and len(chains) == 3 and all(len(c) == 3 for c in chains)
+    system = chains[0][0].prompt_token_ids[:10]
+    for turns in chains:
+        assert turns[0].prompt_token_ids[:10] == system   # shared by every conversation
+        context = 0
+        for k, r in enumerate(turns):
+            message = len(r.prompt_token_ids) - (10 if k == 0 else 0)
+            assert 4 <= message <= 9 and r.prompt_len == context + len(r.prompt_token_ids)
+            context = r.prompt_len + r.output_len
+    # Reusable: the system prompt after the first conversation, and all earlier turns.
+    expected = 2 * 10 + sum(t.prompt_len - len(t.prompt_token_ids) for c in chains for t in c[1:])
+    assert reusable_tokens(reqs, 10) == expected

@@ -147,6 +147,7 @@ def test_router_and_cpu_replica_as_deployed(services, models, redis_url):
         env=_host_env(service_env(router_svc, ROUTER_DF), models, {
             "QUADRIGA_ROUTER_PORT": str(grpc_port),
             "QUADRIGA_ROUTER_METRICS_PORT": str(metrics_port),
+            "QUADRIGA_ROUTER_HTTP_PORT": str(_free_port()),   # 8000 may be taken on this host
             "QUADRIGA_REDIS_URL": redis_url,
             "QUADRIGA_ROUTER_HOST": "127.0.0.1",
         }))
@@ -196,6 +197,7 @@ def test_replica_with_a_wrong_token_is_refused(services, models, redis_url):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         env=_host_env(service_env(router_svc, ROUTER_DF), models, {
             "QUADRIGA_ROUTER_PORT": str(grpc_port), "QUADRIGA_ROUTER_METRICS_PORT": str(metrics_port),
+            "QUADRIGA_ROUTER_HTTP_PORT": str(_free_port()),
             "QUADRIGA_REDIS_URL": redis_url, "QUADRIGA_ROUTER_HOST": "127.0.0.1"}))
     replica = None
     try:

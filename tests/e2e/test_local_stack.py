@@ -16,7 +16,8 @@ def test_stack_serves_the_client_cli_and_stops_on_ctrl_c(tmp_path, tiny_model):
     port = free_port()
     stack = subprocess.Popen(
         [sys.executable, "-m", "stack", "--replicas", "2", "--port", str(port),
-         "--metrics-port", str(free_port()), "--model", str(tiny_model), "--log-dir", str(tmp_path)],
+         "--metrics-port", str(free_port()), "--http-port", str(free_port()), "--model", str(tiny_model),
+         "--log-dir", str(tmp_path)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )

@@ -131,17 +131,24 @@ def test_every_script_run_twice_is_run_once(redis_url, arun):
     arun(scenario())
 
 
+@contextlib.asynccontextmanager
+async def routers_a_and_b(redis_url, prefix):
+    """A store and the writers of two registered routers, A and B (fenced as theirs)."""
+    async with store_and_writer(redis_url, prefix) as (store, a), \
+            store_and_writer(redis_url, prefix) as (_, b):
+        for router_id, writer in (("A", a), ("B", b)):
+            writer.fence = (router_id, await store.register_router(router_id, 30))
+        yield store, a, b
+
+
 def test_cross_router_scripts_run_twice_are_run_once(redis_url, arun):
     """ATTACH, ADOPT, the in-flight sweep and a replica leaving, each sent
     again as a retried flush would, for two registered routers."""
     from router.persistence.store import record_from_flat
 
     async def scenario():
-        async with store_and_writer(redis_url, "xr:") as (store, a), \
-                store_and_writer(redis_url, "xr:") as (_, b):
+        async with routers_a_and_b(redis_url, "xr:") as (store, a, b):
             r = store.redis
-            for router_id, writer in (("A", a), ("B", b)):
-                writer.fence = (router_id, await store.register_router(router_id, 30))
             await a.call(submit(store, "x", 2, token="tx"))
             assert await r.hget("xr:req:x", "fe") == b"A"
             for _ in range(2):
@@ -173,5 +180,94 @@ def test_cross_router_scripts_run_twice_are_run_once(redis_url, arun):
                 await a.call(store.replica_left("rep"))
             assert (await r.zcard("xr:q:r:rep"), await r.zcard("xr:q:pending")) == (0, 1)
             assert await r.hget("xr:req:x", "q") == b"pending"
+
+    arun(scenario())
+
+
+def test_a_named_pop_by_a_router_that_is_not_a_front_adopts_what_it_takes(redis_url, arun):
+    """POP_IDS follows POP's rules across routers: the caller becomes the back
+    router, gets the whole record of what it does not front (by name, or from
+    the head when an older request it cannot see leads the queue), the fronts
+    hear of it ('a'), and a retried call returns the same requests."""
+
+    async def scenario():
+        async with routers_a_and_b(redis_url, "xn:") as (store, a, b):
+            r = store.redis
+            await a.call(submit(store, "theirs", 3, token="t0", arrival=1000.0))
+            await b.call(submit(store, "mine", 2, token="t1", arrival=1001.0))
+            await b.call(submit(store, "named", 2, token="t2", arrival=1002.0))
+            for _ in range(2):
+                reply = await b.call(store.pop_ids("pending", "rep", 1, None, 2e9, 1.0, "nb", "mine",
+                                                   ["named"]))
+                [head] = store.popped(reply)
+                assert (head.id, head.assignments) == ("theirs", 1)   # A's, older: from the head
+                assert head.record["id"] == "theirs" and head.record["p"]
+            assert (await r.hget("xn:req:theirs", "br"), await r.hget("xn:req:theirs", "n")) == (b"B", b"1")
+            assert [f[b"k"] for _, f in await r.xrange("xn:ev:A")][-1] == b"a"
+
+            # By name: A names B's request, the head being the one A gives.
+            for _ in range(2):
+                reply = await a.call(store.pop_ids("pending", "rep2", 5, None, 2e9, 1.0, "na", "mine",
+                                                   ["named"]))
+                [p] = store.popped(reply)
+                assert (p.id, p.record["id"], p.record["fe"]) == ("named", "named", b"B")
+            assert await r.hget("xn:req:named", "br") == b"A"
+            assert [f[b"k"] for _, f in await r.xrange("xn:ev:B")][-1] == b"a"
+            # Its own front's named pop carries no record.
+            reply = await b.call(store.pop_ids("pending", "rep", 5, None, 2e9, 1.0, "nm", "mine",
+                                               ["mine"]))
+            assert [(p.id, p.record) for p in store.popped(reply)] == [("mine", None)]
+            assert await r.zcard("xn:q:pending") == 0
+
+    arun(scenario())
+
+
+async def pop_ids(writer, store, ids, token, first, queue="pending", replica="rep", n=10,
+                  tokens=None):
+    """A named pop by a router whose oldest request in `queue` is `first`."""
+    reply = await writer.call(store.pop_ids(queue, replica, n, tokens, 2e9, 1.0, token, first, ids))
+    return [p.id for p in store.popped(reply)]
+
+
+def test_named_pop_takes_only_what_is_still_queued_there_and_once(redis_url, arun):
+    """Pull affinity's pop: the chosen ids, in the order given, if still queued in
+    that queue; a retried call (same token) returns what it took, nothing more."""
+
+    async def scenario():
+        async with store_and_writer(redis_url, "named:") as (store, writer):
+            r = store.redis
+            for i in range(4):
+                await writer.call(submit(store, f"n{i}", arrival=1000.0 + i))
+            await writer.call(submit(store, "elsewhere", queue="r:x"))
+            assert await pop(writer, store, 1, None, "head") == ["n0"]
+            taken = await pop_ids(writer, store, ["n2", "n0", "elsewhere", "nobody", "n1"], "t1", "n1")
+            assert taken == ["n2", "n1"]   # n0 was taken already; the others are not queued here
+            assert await pop_ids(writer, store, ["n2", "n1", "n3"], "t1", "n1") == ["n2", "n1"]
+            assert await r.hget("named:req:n2", "n") == b"1"
+            assert (await r.hget("named:req:n1", "st"), await r.hget("named:req:n1", "o")) == (b"r", b"rep")
+            assert await r.zrange("named:q:pending", 0, -1) == [b"%016d%012d:n3" % (1003000000, 4)]
+            assert await r.zcard("named:inflight") == 3
+            assert await r.zcard("named:q:r:x") == 1 and await r.hget("named:req:elsewhere", "st") == b"q"
+            # Requeued to the front, it can be named again (a fresh token).
+            await writer.call(store.requeue(["n2", "pending", "rep", 1, 1]))
+            assert await pop_ids(writer, store, ["n3", "n2"], "t2", "n2") == ["n3", "n2"]
+            # Nothing named, the first request known: nothing is taken.
+            assert await pop_ids(writer, store, [], "t3", "n4") == []
+
+    arun(scenario())
+
+
+def test_named_pop_takes_the_head_when_the_first_request_is_not_the_one_known(redis_url, arun):
+    """The caller chose among what it holds; an older request it did not know
+    of (another router's) is at the head: the named pop takes from the head,
+    as POP would, within the seats and token credit."""
+
+    async def scenario():
+        async with store_and_writer(redis_url, "nhead:") as (store, writer):
+            for i, prompt_len in enumerate([4, 6, 1, 1]):
+                await writer.call(submit(store, f"h{i}", prompt_len, arrival=1000.0 + i))
+            assert await pop_ids(writer, store, ["h3"], "t1", "h1", n=3, tokens=5) == ["h0", "h1"]
+            assert await pop_ids(writer, store, ["h3"], "t1", "h1", n=3, tokens=5) == ["h0", "h1"]
+            assert await pop_ids(writer, store, ["h3"], "t2", "h2", n=3) == ["h3"]
 
     arun(scenario())

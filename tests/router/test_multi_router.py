@@ -1,7 +1,8 @@
 """Two routers in one event loop on one Redis and key prefix, with scripted
 replicas: the cross-router paths one by one (lazy adoption by a pop, output
 delivered through the front's event stream, re-attach at another router,
-cancel across routers, a replica moving between routers, missed events)."""
+cancel across routers, a replica moving between routers, missed events,
+pull affinity with work another router submitted)."""
 
 import asyncio
 import contextlib
@@ -9,7 +10,8 @@ import uuid
 
 from common.pb.quadriga.v1 import generation_pb2 as gpb
 from router.server import RouterApp
-from tests.router.test_scheduling import wait_until
+from tests.router.test_prefix_policies import H16, SHARED, with_shared
+from tests.router.test_scheduling import assigned_ids, submit_in_order, wait_until
 from tests.support.router_harness import (Replicas, client, collect, make_config, request,
                                           running_router, tokens_of)
 from tests.support.scripted_replica import expected_tokens
@@ -182,6 +184,36 @@ def test_per_replica_policies_balance_per_router_and_share_the_queue(redis_url, 
                 assert tokens_of(msgs) == expected_tokens(p, 10, vocab)
             assert {m[-1].timings.replica_id for m in results[:4]} == {"r0", "r1"}
             assert len(r0.rec.assignments) + len(r1.rec.assignments) == len(prompts)
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_pull_affinity_takes_the_head_another_router_submitted(redis_url, tiny_model, arun):
+    """B's replica holds the prefix of B's newest request; an older request
+    accepted by A (which has no replica) leads the shared queue. B's policy sees
+    only B's requests, so its named pop takes from the head instead: A's request
+    first (adopted from its record), then B's by cache, ahead of B's older one."""
+
+    async def scenario():
+        async with two_routers(redis_url, tiny_model, pull_affinity_wait_weight=0.0) as (a, b):
+            vocab = b.limits.vocab_size
+            reps = Replicas(b.address, vocab)
+            r1 = await reps.add("r1", auto_pull=False, prefix_cache=True, cached=tuple(H16.hashes(SHARED)))
+            await wait_for_remote_replicas(a)
+            async with client(a.address) as stub_a, client(b.address) as stub_b:
+                tasks = await submit_in_order(a, stub_a, [request([7] * 30, 4, request_id="theirs")])
+                tasks += await submit_in_order(b, stub_b, [
+                    request([6] * 30, 4, request_id="cold_mine"),
+                    request(with_shared([9]), 4, request_id="warm_mine")])
+                for n in range(1, 4):
+                    r1.pull(1)
+                    await wait_until(lambda: len(assigned_ids(r1)) == n)
+                results = await asyncio.gather(*tasks)
+            assert assigned_ids(r1) == ["theirs", "warm_mine", "cold_mine"]
+            assert tokens_of(results[0]) == expected_tokens([7] * 30, 4, vocab)
+            assert b.metrics.registry.get_sample_value("quadriga_pull_picks_total",
+                                                       {"reason": "affinity"}) == 1
             await reps.close()
 
     arun(scenario())

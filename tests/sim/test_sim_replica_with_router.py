@@ -69,3 +69,40 @@ def test_simulated_replicas_serve_rule_tokens_through_a_real_router(redis_url, t
     assert tokens_of(eos_result) == expected_tokens(eos_prompt, 4, vocab)
     assert tokens_of(eos_result)[-1] == eos
     assert eos_result[-1].finish_reason == gpb.FINISH_REASON_STOP
+
+
+def test_simulated_replicas_report_their_prefix_cache_to_the_router(redis_url, tiny_model, arun):
+    """The simulated engine keeps the real block manager's prefix cache, so its
+    worker registers it and reports each step's changes as a real replica does:
+    the router's view equals the engine's cached hashes. With --no-prefix-caching
+    it registers no cache and the router keeps no view of it. Its prefill-heavy
+    steps (a 67-token prompt at once) give the router its prefill rate."""
+    shared = [7 + j % 200 for j in range(64)]   # four full blocks of 16
+
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            caching, = build_workers(sim_config(app.address, tiny_model, "--replica-id", "cache"))
+            task = asyncio.create_task(run_workers([caching]))
+            await wait_until(lambda: len(app.registry) == 1, timeout=20)
+            async with client(app.address) as stub:
+                for tail in ([1, 2, 3], [4, 5]):
+                    await collect(stub, generate(shared + tail, 4, ignore_eos=True))
+            cached = set(caching.engine_loop._engine.cached_block_hashes())
+            await wait_until(lambda: app.prefix_index.hashes_of("cache") == cached)
+            plain, = build_workers(sim_config(app.address, tiny_model, "--replica-id", "plain",
+                                              "--no-prefix-caching"))
+            plain_task = asyncio.create_task(run_workers([plain]))
+            await wait_until(lambda: len(app.registry) == 2, timeout=20)
+            views = ("cache" in app.prefix_index, "plain" in app.prefix_index)
+            rate = app.registry.get("cache").prefill_tokens_per_s
+            gauge = app.metrics.registry.get_sample_value("quadriga_replica_prefill_tokens_per_second",
+                                                          {"replica": "cache"})
+            for w in (caching, plain):
+                w.begin_drain()
+            await asyncio.wait_for(asyncio.gather(task, plain_task), 20)
+            return cached, views, rate, gauge
+
+    cached, views, rate, gauge = arun(scenario(), timeout=90)
+    assert rate is not None and rate > 0 and gauge == rate
+    assert len(cached) >= 4, "the shared 64 tokens and more are cached"
+    assert views == (True, False)

@@ -5,6 +5,12 @@ Output token i of a request = (sum(prompt_token_ids) + i) % vocab; text is
 f"<{token}>". It finishes with LENGTH after max_tokens and honours
 resume_token_ids by continuing the rule from len(resume_token_ids).
 
+With prefix_cache it reports a fake prefix cache, a set of block hashes
+(common/block_hash.py): the whole set at every Register, then changes as KV
+events; `cached` is the set it starts with, store/evict/replace_cache change
+it by hand, and cache_prompts stores each assigned prompt's full blocks at
+its first step, as an engine caches what it computed.
+
 In-process:   replica = ScriptedReplica("127.0.0.1:PORT", Knobs(replica_id="r0"))
               task = asyncio.create_task(replica.run())
 Subprocess:   python -m tests.support.scripted_replica --router HOST:PORT --id r0 ...
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.block_hash import SCHEME, BlockHasher
 from common.pb.quadriga.v1 import generation_pb2 as gpb
 from common.pb.quadriga.v1 import replica_pb2 as rpb
 from common.pb.quadriga.v1 import replica_pb2_grpc
@@ -52,6 +59,11 @@ class Knobs:
     auth_token: str = ""
     reconnect: bool = False           # re-dial with held_request_ids when the stream breaks
     hold_on_finish: bool = False      # keep requests but never finish (for cancel tests)
+    prefix_cache: bool = False        # report a (fake) prefix cache
+    block_size: int = 16
+    hash_scheme: str = SCHEME
+    cached: tuple[int, ...] = ()      # block hashes held from the start
+    cache_prompts: bool = False       # store each prompt's full blocks at its first step
 
 
 @dataclass
@@ -86,6 +98,8 @@ class ScriptedReplica:
         self._draining = False
         self.connected = asyncio.Event()
         self._stopped = False
+        self.cache: set[int] = set(self.knobs.cached)
+        self.hasher = BlockHasher(self.knobs.block_size) if self.knobs.prefix_cache else None
 
     # ---- public ----
     async def run(self) -> None:
@@ -118,6 +132,23 @@ class ScriptedReplica:
         self.rec.pulls.append((max_requests, 0))
         self._send(rpb.ReplicaMessage(pull=rpb.Pull(max_requests=max_requests, max_prompt_tokens=0)))
 
+    def store(self, hashes) -> None:
+        """Blocks the fake cache now holds, told to the router as KV events."""
+        self.cache.update(hashes)
+        self._send_kv(rpb.KVEvents(stored=list(hashes)))
+
+    def evict(self, hashes) -> None:
+        self.cache.difference_update(hashes)
+        self._send_kv(rpb.KVEvents(evicted=list(hashes)))
+
+    def replace_cache(self, hashes) -> None:
+        """A cleared event: the router's view becomes exactly this set."""
+        self.cache = set(hashes)
+        self._send_kv(rpb.KVEvents(stored=list(hashes), cleared=True))
+
+    def _send_kv(self, events: rpb.KVEvents) -> None:
+        self._send(rpb.ReplicaMessage(step=rpb.StepOutputs(kv_events=events)))
+
     def hand_back(self, ids) -> None:
         for rid in ids:
             self.running.pop(rid, None)
@@ -139,11 +170,13 @@ class ScriptedReplica:
     async def _session(self, stub):
         self._out = asyncio.Queue()
         held = list(self.running) + list(self.waiting)
+        k = self.knobs
+        cache = rpb.PrefixCache(block_size=k.block_size, hash_scheme=k.hash_scheme,
+                                block_hashes=sorted(self.cache)) if k.prefix_cache else None
         self._send(rpb.ReplicaMessage(register=rpb.Register(
-            replica_id=self.knobs.replica_id, model=self.knobs.model, scheduler="scripted",
-            auth_token=self.knobs.auth_token, held_request_ids=held,
-            capacity=rpb.ReplicaCapacity(max_num_seqs=self.knobs.capacity,
-                                         max_model_len=self.knobs.max_model_len))))
+            replica_id=k.replica_id, model=k.model, scheduler="scripted",
+            auth_token=k.auth_token, held_request_ids=held, prefix_cache=cache,
+            capacity=rpb.ReplicaCapacity(max_num_seqs=k.capacity, max_model_len=k.max_model_len))))
         call = stub.Connect(self._outgoing())
         tasks = [asyncio.create_task(self._steps(call)), asyncio.create_task(self._heartbeats())]
         code = grpc.StatusCode.OK
@@ -233,7 +266,10 @@ class ScriptedReplica:
     def _step(self) -> rpb.StepOutputs:
         k = self.knobs
         step = rpb.StepOutputs(step_id=self.steps, batch_size=len(self.running))
+        stored = []
         for rid, run in list(self.running.items()):
+            if k.cache_prompts and run.next_index == len(run.assignment.resume_token_ids):
+                stored += self.hasher.hashes(list(run.assignment.prompt_token_ids))
             n = min(k.tokens_per_step, run.max_tokens - run.next_index)
             toks = [(run.sum_prompt + run.next_index + j) % k.vocab for j in range(n)]
             d = step.deltas.add(request_id=rid, token_ids=toks, output_offset=run.next_index,
@@ -246,6 +282,9 @@ class ScriptedReplica:
             rid = next(iter(self.waiting))
             self.running[rid] = self.waiting.pop(rid)
         step.num_tokens = sum(len(d.token_ids) for d in step.deltas)
+        if stored:
+            self.cache.update(stored)
+            step.kv_events.stored.extend(stored)
         return step
 
     def _after_step(self, call) -> None:

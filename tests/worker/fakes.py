@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
 
+from common.block_hash import BlockHasher
 from common.pb.quadriga.v1 import generation_pb2 as gpb
 from common.pb.quadriga.v1 import replica_pb2 as pb
 from replica_worker.engine.errors import InvalidRequestError
+from replica_worker.engine.kv_events import KVEventLog, PrefixCacheStats
 from replica_worker.engine.outputs import EngineLoad, RequestDelta, StepResult
 from replica_worker.engine.schedulers.base import AdmissionCapacity
 from replica_worker.worker.client import ReplicaWorker
@@ -31,9 +34,16 @@ class _Sched:
 class FakeEngine:
     """Each step emits one token (id 1) per request; a request finishes after
     `length` tokens. fail_steps: how many next steps raise step_error. fail_add: request
-    ids whose add_request raises an unexpected error."""
+    ids whose add_request raises an unexpected error.
 
-    def __init__(self, seats: int = 4, tokens: int = 1000, length: int = 3) -> None:
+    prefix_cache: a request's first step stores its prompt's full blocks (real
+    block hashes) in a cache of hashes that never fills; `evict_next_step`
+    takes hashes out at the next step. max_pending_events bounds the event log
+    (past it the next take is a cleared snapshot, as the real one)."""
+
+    def __init__(self, seats: int = 4, tokens: int = 1000, length: int = 3,
+                 prefix_cache: bool = False, block_size: int = 4,
+                 max_pending_events: int = 1000) -> None:
         self.seats, self.tokens, self.length = seats, tokens, length
         self.reqs: dict[str, int] = {}
         self.step_id = 0
@@ -43,6 +53,12 @@ class FakeEngine:
         self.fail_add: set[str] = set()
         self.hold = False  # when True, step() produces nothing (requests stay in hand)
         self.scheduler = _Sched(self)
+        self.prefix_caching_enabled = prefix_cache
+        self.block_hasher = BlockHasher(block_size)
+        self.cache: set[int] = set()
+        self.events = KVEventLog(max_pending_events, lambda: list(self.cache))
+        self.evict_next_step: deque[int] = deque()
+        self._to_store: dict[str, list[int]] = {}
 
     def add_request(self, rid, prompt, params, arrival_time=None, resume_token_ids=(), resume_text_len=None):
         if rid in self.fail_add:
@@ -50,6 +66,8 @@ class FakeEngine:
         if rid in self.reqs:
             raise InvalidRequestError(f"request_id {rid!r} is already running on this engine")
         self.reqs[rid] = len(resume_token_ids)
+        if self.prefix_caching_enabled:
+            self._to_store[rid] = self.block_hasher.hashes(list(prompt))
 
     def abort_request(self, rid) -> bool:
         return self.reqs.pop(rid, None) is not None
@@ -65,6 +83,7 @@ class FakeEngine:
                 for rid in self.reqs:
                     self.reqs[rid] += 1
             raise self.step_error
+        self._cache_step()
         deltas = []
         for rid, n in list(self.reqs.items()):
             d = RequestDelta(rid, [1], "x", n)
@@ -74,6 +93,25 @@ class FakeEngine:
                 del self.reqs[rid]
             deltas.append(d)
         return StepResult(deltas=deltas, batch_size=len(deltas), num_tokens=len(deltas))
+
+    def _cache_step(self) -> None:
+        for rid in list(self._to_store):
+            for h in self._to_store.pop(rid):
+                self.cache.add(h)
+                self.events.stored(h)
+        while self.evict_next_step:
+            h = self.evict_next_step.popleft()
+            self.cache.discard(h)
+            self.events.evicted(h)
+
+    def take_kv_events(self):
+        return self.events.take()
+
+    def cached_block_hashes(self) -> list[int]:
+        return list(self.cache)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(0, 0, len(self.cache))
 
     def admission_capacity(self) -> AdmissionCapacity:
         seats = self.seats - len(self.reqs)
@@ -93,7 +131,7 @@ def assignment(rid: str, prompt=(1, 2, 3), max_tokens: int = 3, **sampling) -> p
 
 def make_worker(engine: FakeEngine, **config) -> ReplicaWorker:
     cfg = WorkerConfig(router="127.0.0.1:1", model="m", replica_id="r0", model_name="m", **config)
-    return ReplicaWorker(cfg, engine, pb.ReplicaCapacity())
+    return ReplicaWorker(cfg, engine, pb.ReplicaCapacity(num_kv_blocks=16))
 
 
 class Wired:

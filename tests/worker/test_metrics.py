@@ -80,3 +80,24 @@ def test_a_resumed_request_counts_its_context_as_prompt_and_no_first_token(engin
     assert got[("vllm:time_to_first_token_seconds_count", label)] == 0
     # Its first token here follows a token made elsewhere: no gap is measured for it.
     assert got[("vllm:inter_token_latency_seconds_count", label)] == 8 - len(resumed) - 1
+
+
+def test_prefix_cache_counters_follow_the_engine(tiny_model):
+    """vLLM's prefix cache counters, in tokens: two requests sharing 32 tokens
+    (two blocks of 16), one after the other; the second finds both blocks."""
+    engine = EngineCore(engine_config(str(tiny_model), max_num_seqs=1), load_tokenizer(str(tiny_model)))
+    metrics = ReplicaMetrics("tiny")
+    port = free_port()
+    metrics.serve(port)
+    shared = list(range(100, 132))
+    for rid, tail in (("first", [7, 8, 9]), ("second", [4, 5])):
+        engine.add_request(rid, shared + tail, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        while engine.has_unfinished():
+            result = engine.step()
+            metrics.observe(EngineReport(result, engine.admission_capacity(), engine.load(),
+                                         tuple(engine.request_ids()),
+                                         prefix_stats=engine.prefix_cache_stats()))
+    got = scrape(port)
+    label = (("model_name", "tiny"),)
+    assert got[("vllm:prefix_cache_queries_total", label)] == 35 + 34
+    assert got[("vllm:prefix_cache_hits_total", label)] == 32

@@ -10,15 +10,16 @@ from replica_worker.worker.app import build_worker
 from replica_worker.worker.config import parse_args
 from tests.engine.hf_reference import hf_greedy
 from tests.router.test_scheduling import wait_until
-from tests.support.router_harness import client, collect, make_config, running_router, tokens_of
+from tests.support.router_harness import (client, collect, free_port, make_config, running_router,
+                                          tokens_of)
 
 PROMPTS = [[3, 14, 15, 92], [6, 53, 58], [97, 93, 23, 84, 62], [64, 33]]
 
 
 
-async def run_worker(address: str, model: str):
+async def run_worker(address: str, model: str, *args: str):
     worker = build_worker(parse_args(["--router", address, "--model", str(model),
-                                      "--replica-id", "w0", "--threads", "1"]))
+                                      "--replica-id", "w0", "--threads", "1", *args]))
     task = asyncio.create_task(worker.run())
     await wait_until(lambda: worker._outbox is not None, timeout=30)
     return worker, task
@@ -89,3 +90,32 @@ def test_a_recoverable_engine_error_hands_the_step_back_and_nothing_is_failed(
     assert [tokens_of(m) for m in results] == expected
     assert all(m[-1].finish_reason == 2 for m in results)  # LENGTH, none failed
     assert handed_back >= 1 and sum(m[-1].timings.requeues for m in results) == handed_back
+
+
+def test_the_router_sees_the_engine_cache_through_evictions_and_a_restart(redis_url, tiny_model, arun):
+    """Six requests of 5 full blocks each through a 24-block cache: blocks are
+    evicted, and the router's view still equals the engine's cache; a new router
+    has it exactly from the re-registration."""
+    from common.pb.quadriga.v1 import generation_pb2 as gpb
+
+    prompts = [[3 + (11 * i + j) % 250 for j in range(70)] for i in range(6)]
+
+    async def scenario():
+        cfg = make_config(redis_url, tiny_model, port=free_port())
+        async with running_router(cfg) as app:
+            worker, task = await run_worker(app.address, tiny_model, "--num-blocks", "24")
+            engine = worker.engine_loop._engine
+            async with client(app.address) as stub:
+                for p in prompts:   # one at a time: each finishes before the next evicts
+                    await collect(stub, gpb.GenerateRequest(prompt_token_ids=p, sampling=gpb.SamplingParams(
+                        max_tokens=20, temperature=0.0, ignore_eos=True)))
+            cached = set(engine.cached_block_hashes())
+            assert 0 < len(cached) <= 24 < 6 * 5, "the cache should have evicted"
+            await wait_until(lambda: app.prefix_index.hashes_of("w0") == cached)
+        async with running_router(cfg) as app:
+            await wait_until(lambda: app.registry.get("w0") is not None, timeout=30)
+            assert app.prefix_index.hashes_of("w0") == set(engine.cached_block_hashes()) == cached
+            worker.begin_drain()
+            await asyncio.wait_for(task, 30)
+
+    arun(scenario(), timeout=120)

@@ -1,15 +1,22 @@
-"""The routing policy interface: where a request waits until a replica pulls it.
+"""The routing policy interface: where a request waits until a replica pulls it,
+and which of the waiting requests a Pull takes.
 
-A policy decides queues only. Assignment always follows a replica's Pull:
-the pull scheduler (scheduling/pull.py) sends a replica work from the queue
-the policy names for it, never more than its outstanding credit allows.
+A policy decides queues and picks only. Assignment always follows a
+replica's Pull: the pull scheduler (scheduling/pull.py) sends a replica work
+from the queue the policy names for it, never more than its outstanding
+credit allows, and asks the policy (`choose`) which requests to take; None
+takes from the head of the queue, in order, atomically in Redis.
 
-A policy sees replicas as handles with `.id`, `.join_seq` and `.capacity`,
-and reads load through the context it is given; it owns no request state.
+A policy sees replicas as handles with `.id`, `.join_seq`, `.capacity` and
+`.prefill_tokens_per_s` (measured; None before any prefill-heavy step),
+requests as `Work` (router/prefix/matcher.py: a cost and the context tokens),
+and reads load, queues and the replicas' caches through the context it is
+given; it owns no request state.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 PENDING = "pending"
@@ -22,26 +29,85 @@ def replica_queue(replica_id: str) -> str:
 class ReplicaHandle(Protocol):
     id: str
     join_seq: int
+    prefill_tokens_per_s: float | None
 
 
 class PolicyContext(Protocol):
     load_of: Callable[[str], int]          # outstanding tokens bound to a replica
+    oldest: Callable[[str, int], list]     # the first n poppable requests of a queue, in order
+    prefix: object                         # router/prefix/matcher.PrefixMatcher
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """The knobs of the cache-affine policies (RouterConfig's fields of the same meaning)."""
+
+    affinity_window: int = 32          # pull: oldest queued requests a Pull chooses among; 0: FIFO
+    affinity_max_wait: float = 2.0     # pull: seconds after which a request is served first, in order
+    affinity_wait_weight: float = 1.0  # pull: a second's wait is worth this x the puller's prefill tokens/s
+    balance_abs: int = 8192            # cache_aware: outstanding tokens over the least loaded ...
+    balance_rel: float = 1.5           # ... and this many times its load: least loaded instead
+
+    @classmethod
+    def from_config(cls, c) -> "PolicySettings":
+        return cls(c.pull_affinity_window, c.pull_affinity_max_wait, c.pull_affinity_wait_weight,
+                   c.cache_aware_balance_abs, c.cache_aware_balance_rel)
+
+
+@dataclass(eq=False)
+class Arrival:
+    """A request being admitted, before it has any state: what placement needs."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    block_hasher: object = None
+
+    @property
+    def cost(self) -> int:
+        return len(self.prompt_ids) + self.max_tokens
+
+
+# Why a Pull took a request (the quadriga_pull_picks_total label).
+FIFO, AFFINITY, OVERDUE = "fifo", "affinity", "overdue"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a Pull takes: (request, why) in the order to take them. retry_in:
+    seconds until a request left for another replica may be taken here; the
+    scheduler asks again then, as no message may come to wake it (None: no need)."""
+
+    picks: list
+    retry_in: float | None = None
 
 
 class Policy:
     name = "base"
     # True: each request is bound to one replica's own queue at arrival.
     per_replica_queues = False
+    # True: its decisions read the replicas' caches (their hit metrics are always kept).
+    uses_prefix_cache = False
 
-    def __init__(self, context: PolicyContext | None = None) -> None:
+    def __init__(self, context: PolicyContext | None = None,
+                 settings: PolicySettings = PolicySettings()) -> None:
         self.context = context
+        self.settings = settings
 
-    def select(self, cost: int, live: Sequence[ReplicaHandle]) -> ReplicaHandle | None:
-        """The replica whose queue gets a request of this cost; None: the shared queue."""
+    def select(self, work, live: Sequence[ReplicaHandle]) -> ReplicaHandle | None:
+        """The replica whose queue gets this request; None: the shared queue."""
         return None
 
     def pull_queue(self, replica: ReplicaHandle) -> str:
         return replica_queue(replica.id) if self.per_replica_queues else PENDING
+
+    def choose(self, replica: ReplicaHandle, queue: str, seats: int, token_limit: int | None,
+               others: Sequence[str]) -> Choice | None:
+        """What a Pull of `replica` takes from `queue`, within `seats` and the token
+        credit (the last may overrun it); `others` are the other live replicas.
+        None: from the head."""
+        return None
 
     # No-op hooks; a policy overrides the ones it needs.
     def on_replica_joined(self, replica: ReplicaHandle) -> None: ...

@@ -10,7 +10,7 @@ class LeastOutstandingPolicy(Policy):
     name = "least_outstanding"
     per_replica_queues = True
 
-    def select(self, cost, live):
+    def select(self, work, live):
         if not live:
             return None
         return min(live, key=lambda r: (self.context.load_of(r.id), r.join_seq))

@@ -10,11 +10,11 @@ class RoundRobinPolicy(Policy):
     name = "round_robin"
     per_replica_queues = True
 
-    def __init__(self, context=None) -> None:
-        super().__init__(context)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self._last_join_seq = -1
 
-    def select(self, cost, live):
+    def select(self, work, live):
         if not live:
             return None
         ordered = sorted(live, key=lambda r: r.join_seq)

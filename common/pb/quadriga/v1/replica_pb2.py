@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from common.pb.quadriga.v1 import generation_pb2 as quadriga_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19quadriga/v1/replica.proto\x12\x0bquadriga.v1\x1a\x1cquadriga/v1/generation.proto\"\x95\x01\n\x0fReplicaCapacity\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x10\n\x08prefetch\x18\x06 \x01(\r\"\x9e\x01\n\x08Register\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12.\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\x1c.quadriga.v1.ReplicaCapacity\x12\x11\n\tscheduler\x18\x04 \x01(\t\x12\x12\n\nauth_token\x18\x05 \x01(\t\x12\x18\n\x10held_request_ids\x18\x06 \x03(\t\"R\n\x04Pull\x12\x14\n\x0cmax_requests\x18\x01 \x01(\r\x12\x1e\n\x11max_prompt_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x14\n\x12_max_prompt_tokens\"s\n\tHeartbeat\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x13\n\x0brequest_ids\x18\x05 \x03(\t\"\xa8\x02\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\routput_offset\x18\x04 \x01(\r\x12\x35\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.quadriga.v1.FinishReasonH\x00\x88\x01\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x1a\n\x12\x66irst_scheduled_at\x18\x07 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x08 \x01(\r\x12,\n\x08logprobs\x18\t \x03(\x0b\x32\x1a.quadriga.v1.TokenLogprobs\x12\x15\n\rcached_tokens\x18\n \x01(\rB\x10\n\x0e_finish_reason\"\x9e\x01\n\x0bStepOutputs\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x19.quadriga.v1.RequestDelta\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0bstep_time_s\x18\x05 \x01(\x01\x12\x16\n\x0e\x66ree_kv_blocks\x18\x06 \x01(\r\"\x1f\n\x08HandBack\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\xe9\x01\n\x0eReplicaMessage\x12)\n\x08register\x18\x01 \x01(\x0b\x32\x15.quadriga.v1.RegisterH\x00\x12!\n\x04pull\x18\x02 \x01(\x0b\x32\x11.quadriga.v1.PullH\x00\x12+\n\theartbeat\x18\x03 \x01(\x0b\x32\x16.quadriga.v1.HeartbeatH\x00\x12(\n\x04step\x18\x04 \x01(\x0b\x32\x18.quadriga.v1.StepOutputsH\x00\x12*\n\thand_back\x18\x05 \x01(\x0b\x32\x15.quadriga.v1.HandBackH\x00\x42\x06\n\x04kind\"i\n\nRegistered\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x18\n\x10keep_request_ids\x18\x04 \x03(\t\"\xe4\x01\n\nAssignment\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.quadriga.v1.SamplingParams\x12\x18\n\x10resume_token_ids\x18\x04 \x03(\r\x12\x14\n\x0c\x61rrival_time\x18\x05 \x01(\x01\x12\x1c\n\x0fresume_text_len\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0fstream_interval\x18\x07 \x01(\rB\x12\n\x10_resume_text_len\"6\n\x06\x41ssign\x12,\n\x0b\x61ssignments\x18\x01 \x03(\x0b\x32\x17.quadriga.v1.Assignment\"%\n\x0e\x43\x61ncelRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x07\n\x05\x44rain\"\x16\n\x03\x41\x63k\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\"\xe2\x01\n\rRouterMessage\x12-\n\nregistered\x18\x01 \x01(\x0b\x32\x17.quadriga.v1.RegisteredH\x00\x12%\n\x06\x61ssign\x18\x02 \x01(\x0b\x32\x13.quadriga.v1.AssignH\x00\x12-\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x1b.quadriga.v1.CancelRequestsH\x00\x12#\n\x05\x64rain\x18\x04 \x01(\x0b\x32\x12.quadriga.v1.DrainH\x00\x12\x1f\n\x03\x61\x63k\x18\x05 \x01(\x0b\x32\x10.quadriga.v1.AckH\x00\x42\x06\n\x04kind2X\n\x0eReplicaGateway\x12\x46\n\x07\x43onnect\x12\x1b.quadriga.v1.ReplicaMessage\x1a\x1a.quadriga.v1.RouterMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19quadriga/v1/replica.proto\x12\x0bquadriga.v1\x1a\x1cquadriga/v1/generation.proto\"\x95\x01\n\x0fReplicaCapacity\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x10\n\x08prefetch\x18\x06 \x01(\r\"\xce\x01\n\x08Register\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12.\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\x1c.quadriga.v1.ReplicaCapacity\x12\x11\n\tscheduler\x18\x04 \x01(\t\x12\x12\n\nauth_token\x18\x05 \x01(\t\x12\x18\n\x10held_request_ids\x18\x06 \x03(\t\x12.\n\x0cprefix_cache\x18\x07 \x01(\x0b\x32\x18.quadriga.v1.PrefixCache\"_\n\x0bPrefixCache\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x13\n\x0bhash_scheme\x18\x02 \x01(\t\x12\x11\n\thash_salt\x18\x03 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x06\"<\n\x08KVEvents\x12\x0e\n\x06stored\x18\x01 \x03(\x06\x12\x0f\n\x07\x65victed\x18\x02 \x03(\x06\x12\x0f\n\x07\x63leared\x18\x03 \x01(\x08\"R\n\x04Pull\x12\x14\n\x0cmax_requests\x18\x01 \x01(\r\x12\x1e\n\x11max_prompt_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x14\n\x12_max_prompt_tokens\"s\n\tHeartbeat\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x13\n\x0brequest_ids\x18\x05 \x03(\t\"\xa8\x02\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\routput_offset\x18\x04 \x01(\r\x12\x35\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.quadriga.v1.FinishReasonH\x00\x88\x01\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x1a\n\x12\x66irst_scheduled_at\x18\x07 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x08 \x01(\r\x12,\n\x08logprobs\x18\t \x03(\x0b\x32\x1a.quadriga.v1.TokenLogprobs\x12\x15\n\rcached_tokens\x18\n \x01(\rB\x10\n\x0e_finish_reason\"\xc8\x01\n\x0bStepOutputs\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x19.quadriga.v1.RequestDelta\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0bstep_time_s\x18\x05 \x01(\x01\x12\x16\n\x0e\x66ree_kv_blocks\x18\x06 \x01(\r\x12(\n\tkv_events\x18\x07 \x01(\x0b\x32\x15.quadriga.v1.KVEvents\"\x1f\n\x08HandBack\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\xe9\x01\n\x0eReplicaMessage\x12)\n\x08register\x18\x01 \x01(\x0b\x32\x15.quadriga.v1.RegisterH\x00\x12!\n\x04pull\x18\x02 \x01(\x0b\x32\x11.quadriga.v1.PullH\x00\x12+\n\theartbeat\x18\x03 \x01(\x0b\x32\x16.quadriga.v1.HeartbeatH\x00\x12(\n\x04step\x18\x04 \x01(\x0b\x32\x18.quadriga.v1.StepOutputsH\x00\x12*\n\thand_back\x18\x05 \x01(\x0b\x32\x15.quadriga.v1.HandBackH\x00\x42\x06\n\x04kind\"i\n\nRegistered\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x18\n\x10keep_request_ids\x18\x04 \x03(\t\"\xe4\x01\n\nAssignment\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.quadriga.v1.SamplingParams\x12\x18\n\x10resume_token_ids\x18\x04 \x03(\r\x12\x14\n\x0c\x61rrival_time\x18\x05 \x01(\x01\x12\x1c\n\x0fresume_text_len\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0fstream_interval\x18\x07 \x01(\rB\x12\n\x10_resume_text_len\"6\n\x06\x41ssign\x12,\n\x0b\x61ssignments\x18\x01 \x03(\x0b\x32\x17.quadriga.v1.Assignment\"%\n\x0e\x43\x61ncelRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x07\n\x05\x44rain\"\x16\n\x03\x41\x63k\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\"\xe2\x01\n\rRouterMessage\x12-\n\nregistered\x18\x01 \x01(\x0b\x32\x17.quadriga.v1.RegisteredH\x00\x12%\n\x06\x61ssign\x18\x02 \x01(\x0b\x32\x13.quadriga.v1.AssignH\x00\x12-\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x1b.quadriga.v1.CancelRequestsH\x00\x12#\n\x05\x64rain\x18\x04 \x01(\x0b\x32\x12.quadriga.v1.DrainH\x00\x12\x1f\n\x03\x61\x63k\x18\x05 \x01(\x0b\x32\x10.quadriga.v1.AckH\x00\x42\x06\n\x04kind2X\n\x0eReplicaGateway\x12\x46\n\x07\x43onnect\x12\x1b.quadriga.v1.ReplicaMessage\x1a\x1a.quadriga.v1.RouterMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,33 +35,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICACAPACITY']._serialized_start=73
   _globals['_REPLICACAPACITY']._serialized_end=222
   _globals['_REGISTER']._serialized_start=225
-  _globals['_REGISTER']._serialized_end=383
-  _globals['_PULL']._serialized_start=385
-  _globals['_PULL']._serialized_end=467
-  _globals['_HEARTBEAT']._serialized_start=469
-  _globals['_HEARTBEAT']._serialized_end=584
-  _globals['_REQUESTDELTA']._serialized_start=587
-  _globals['_REQUESTDELTA']._serialized_end=883
-  _globals['_STEPOUTPUTS']._serialized_start=886
-  _globals['_STEPOUTPUTS']._serialized_end=1044
-  _globals['_HANDBACK']._serialized_start=1046
-  _globals['_HANDBACK']._serialized_end=1077
-  _globals['_REPLICAMESSAGE']._serialized_start=1080
-  _globals['_REPLICAMESSAGE']._serialized_end=1313
-  _globals['_REGISTERED']._serialized_start=1315
-  _globals['_REGISTERED']._serialized_end=1420
-  _globals['_ASSIGNMENT']._serialized_start=1423
-  _globals['_ASSIGNMENT']._serialized_end=1651
-  _globals['_ASSIGN']._serialized_start=1653
-  _globals['_ASSIGN']._serialized_end=1707
-  _globals['_CANCELREQUESTS']._serialized_start=1709
-  _globals['_CANCELREQUESTS']._serialized_end=1746
-  _globals['_DRAIN']._serialized_start=1748
-  _globals['_DRAIN']._serialized_end=1755
-  _globals['_ACK']._serialized_start=1757
-  _globals['_ACK']._serialized_end=1779
-  _globals['_ROUTERMESSAGE']._serialized_start=1782
-  _globals['_ROUTERMESSAGE']._serialized_end=2008
-  _globals['_REPLICAGATEWAY']._serialized_start=2010
-  _globals['_REPLICAGATEWAY']._serialized_end=2098
+  _globals['_REGISTER']._serialized_end=431
+  _globals['_PREFIXCACHE']._serialized_start=433
+  _globals['_PREFIXCACHE']._serialized_end=528
+  _globals['_KVEVENTS']._serialized_start=530
+  _globals['_KVEVENTS']._serialized_end=590
+  _globals['_PULL']._serialized_start=592
+  _globals['_PULL']._serialized_end=674
+  _globals['_HEARTBEAT']._serialized_start=676
+  _globals['_HEARTBEAT']._serialized_end=791
+  _globals['_REQUESTDELTA']._serialized_start=794
+  _globals['_REQUESTDELTA']._serialized_end=1090
+  _globals['_STEPOUTPUTS']._serialized_start=1093
+  _globals['_STEPOUTPUTS']._serialized_end=1293
+  _globals['_HANDBACK']._serialized_start=1295
+  _globals['_HANDBACK']._serialized_end=1326
+  _globals['_REPLICAMESSAGE']._serialized_start=1329
+  _globals['_REPLICAMESSAGE']._serialized_end=1562
+  _globals['_REGISTERED']._serialized_start=1564
+  _globals['_REGISTERED']._serialized_end=1669
+  _globals['_ASSIGNMENT']._serialized_start=1672
+  _globals['_ASSIGNMENT']._serialized_end=1900
+  _globals['_ASSIGN']._serialized_start=1902
+  _globals['_ASSIGN']._serialized_end=1956
+  _globals['_CANCELREQUESTS']._serialized_start=1958
+  _globals['_CANCELREQUESTS']._serialized_end=1995
+  _globals['_DRAIN']._serialized_start=1997
+  _globals['_DRAIN']._serialized_end=2004
+  _globals['_ACK']._serialized_start=2006
+  _globals['_ACK']._serialized_end=2028
+  _globals['_ROUTERMESSAGE']._serialized_start=2031
+  _globals['_ROUTERMESSAGE']._serialized_end=2257
+  _globals['_REPLICAGATEWAY']._serialized_start=2259
+  _globals['_REPLICAGATEWAY']._serialized_end=2347
 # @@protoc_insertion_point(module_scope)

@@ -24,20 +24,44 @@ class ReplicaCapacity(_message.Message):
     def __init__(self, max_num_seqs: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., prefetch: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("replica_id", "model", "capacity", "scheduler", "auth_token", "held_request_ids")
+    __slots__ = ("replica_id", "model", "capacity", "scheduler", "auth_token", "held_request_ids", "prefix_cache")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     HELD_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     model: str
     capacity: ReplicaCapacity
     scheduler: str
     auth_token: str
     held_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, replica_id: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[_Union[ReplicaCapacity, _Mapping]] = ..., scheduler: _Optional[str] = ..., auth_token: _Optional[str] = ..., held_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    prefix_cache: PrefixCache
+    def __init__(self, replica_id: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[_Union[ReplicaCapacity, _Mapping]] = ..., scheduler: _Optional[str] = ..., auth_token: _Optional[str] = ..., held_request_ids: _Optional[_Iterable[str]] = ..., prefix_cache: _Optional[_Union[PrefixCache, _Mapping]] = ...) -> None: ...
+
+class PrefixCache(_message.Message):
+    __slots__ = ("block_size", "hash_scheme", "hash_salt", "block_hashes")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_SCHEME_FIELD_NUMBER: _ClassVar[int]
+    HASH_SALT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    hash_scheme: str
+    hash_salt: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_size: _Optional[int] = ..., hash_scheme: _Optional[str] = ..., hash_salt: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVEvents(_message.Message):
+    __slots__ = ("stored", "evicted", "cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    evicted: _containers.RepeatedScalarFieldContainer[int]
+    cleared: bool
+    def __init__(self, stored: _Optional[_Iterable[int]] = ..., evicted: _Optional[_Iterable[int]] = ..., cleared: _Optional[bool] = ...) -> None: ...
 
 class Pull(_message.Message):
     __slots__ = ("max_requests", "max_prompt_tokens")
@@ -86,20 +110,22 @@ class RequestDelta(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., output_offset: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., first_scheduled_at: _Optional[float] = ..., preemptions: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
-    __slots__ = ("step_id", "deltas", "batch_size", "num_tokens", "step_time_s", "free_kv_blocks")
+    __slots__ = ("step_id", "deltas", "batch_size", "num_tokens", "step_time_s", "free_kv_blocks", "kv_events")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     deltas: _containers.RepeatedCompositeFieldContainer[RequestDelta]
     batch_size: int
     num_tokens: int
     step_time_s: float
     free_kv_blocks: int
-    def __init__(self, step_id: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ..., batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., free_kv_blocks: _Optional[int] = ...) -> None: ...
+    kv_events: KVEvents
+    def __init__(self, step_id: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ..., batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., free_kv_blocks: _Optional[int] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ...) -> None: ...
 
 class HandBack(_message.Message):
     __slots__ = ("request_ids",)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The router's CPU benchmarks on the H200 host's 16 cores (no GPU used), from a plain
+# copy of the tree and a carry made by prepare-device-cpu-carry.sh:
+#   bash benchmarks/router/run_device_cpu.sh CARRY OUT overhead   # this router beside .baseline's  (RATES="250 500 1000" for more)
+#   bash benchmarks/router/run_device_cpu.sh CARRY OUT peers      # HTTP path beside sglang/vllm-router
+# Each phase stays under the device's 10 minutes a call; JSONs land in OUT.
+set -uo pipefail
+carry=${1:-.carry-cpu}; out=${2:-/tmp/out}; phase=${3:-overhead}
+mkdir -p "$out"
+source benchmarks/router/peers-env.sh "$carry"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
+note="H200 host, $(nproc) cores, nothing else running; router, scripted replicas, Redis and the load generator share them"
+echo "load before: $(cat /proc/loadavg)"
+case "$phase" in
+  overhead)
+    [ -d .baseline/router ] || { echo "no .baseline/ (git archive of the commit to compare with)"; exit 2; }
+    timeout 560 python3 -m benchmarks.router.overhead --compare .baseline --rates ${RATES:-500} \
+        --output-tokens 1 64 --repeats 2 --duration 5 --out "$out/router_overhead_device.json" ;;
+  peers)
+    timeout 560 python3 -m benchmarks.router.peers --peers-site "$QUADRIGA_PEERS_SITE" --mock-workers 4 \
+        --repeats 3 --duration 5 --profile-dir "$out/profile" --machine-note "$note" \
+        --out "$out/router_peers.json" ;;
+  *) echo "unknown phase $phase (overhead | peers)"; exit 2 ;;
+esac
+rc=$?
+echo "load after: $(cat /proc/loadavg)"
+exit $rc
