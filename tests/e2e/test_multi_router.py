@@ -59,28 +59,63 @@ async def until_streaming(followers, running: int):
     assert max(f.progress for f in followers) < MAX_TOKENS
 
 
-@pytest.mark.parametrize("count", [3])
-def test_clients_on_one_router_replicas_on_others(router_tier, hf_reference, count):
-    """Router 0 has the clients and no replica; the replicas are on the others.
-    Every request is accepted by one router and run through another. (Two
-    routers, clients on one and a replica on the other: the frozen-router and
-    arrival-order tests below; count 2 here would cost the suite's time.)"""
-    tier = router_tier(count, router_args=("--lease-ttl", "20"))
-    for i in range(2):
-        back = 1 + i % (count - 1)
-        tier.start_replica(f"r{i}", "--max-num-seqs", "4", router=tier.address_of(back))
+def test_clients_on_one_router_replicas_on_others_then_arrival_order(router_tier, hf_reference):
+    """Three routers: router 0 has the clients and no replica, r0 is router 1's
+    and r1 router 2's, so every request is accepted by one router and run
+    through another. Then requests arrive at routers 1 and 2 in turn and queue
+    (two seats a replica): one shared queue, popped atomically from its head,
+    assigns them in queue (arrival) order, except that a request can only be
+    passed by one that was already popped before it was stored (the bound in
+    docs/router.md: submit latency and the routers' clocks). (Two routers:
+    the frozen-router test below.)"""
+    tier = router_tier(3, router_args=("--lease-ttl", "20"))
+    tier.start_replicas({f"r{i}": (("--max-num-seqs", "2"), tier.address_of(1 + i)) for i in range(2)})
 
-    async def scenario():
-        followers = [Follower([tier.address_of(0)], p, f"multi{count}-{i}")
-                     for i, p in enumerate(PROMPTS)]
+    async def through_router_0():
+        followers = [Follower([tier.address_of(0)], p, f"multi-{i}") for i, p in enumerate(PROMPTS)]
         return followers, await asyncio.gather(*(f.run() for f in followers))
 
-    followers, results = asyncio.run(scenario())
+    followers, results = asyncio.run(through_router_0())
     check_exact(followers, results, hf_reference)
     assert {last.timings.replica_id for _, last in results} == {"r0", "r1"}
     assert all(not f.stream.broken for f in followers)
     assert "joined" not in tier.log_of(0)
+
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS]
+
+    async def at_routers_1_and_2_in_turn():
+        followers, tasks = [], []
+        for i, p in enumerate(prompts):
+            f = Follower([tier.address_of(1 + i % 2)], p, f"order-{i:02d}", max_tokens=24)
+            followers.append(f)
+            tasks.append(asyncio.create_task(f.run()))
+            await asyncio.sleep(0.03)
+        return followers, await asyncio.gather(*tasks)
+
+    followers, results = asyncio.run(at_routers_1_and_2_in_turn())
+    check_exact(followers, results, hf_reference)
+    assert_assigned_in_queue_order(tier.redis_url, [f.stream.request.request_id for f in followers])
+    assert {last.timings.replica_id for _, last in results} == {"r0", "r1"}
     assert tier.replica_failures() == []
+
+
+def assert_assigned_in_queue_order(redis_url: str, request_ids: list[str]) -> None:
+    """From the records (`ao`, `sat`, `pat`): a request was assigned after one
+    queued behind it only if that one was popped before it was stored. The even
+    and odd requests came through different routers (fronts)."""
+    r = redis.Redis.from_url(redis_url)
+    try:
+        fields = ("m", "ao", "sat", "pat", "fe")
+        recs = [dict(zip(fields, (v.decode() for v in r.hmget(f"quadriga:req:{rid}", fields))))
+                for rid in request_ids]
+    finally:
+        r.close()
+    assert {rec["fe"] for rec in recs[0::2]} != {rec["fe"] for rec in recs[1::2]}
+    by_queue = sorted(recs, key=lambda rec: rec["m"])
+    for i, early in enumerate(by_queue):
+        for late in by_queue[i + 1:]:
+            if int(late["ao"]) < int(early["ao"]):   # passed: only by one popped before it was stored
+                assert float(early["sat"]) > float(late["pat"]), (early, late)
 
 
 STOPS = {"sigkill-front-sigterm-back": (signal.SIGKILL, signal.SIGTERM),
@@ -97,8 +132,8 @@ def test_routers_stopped_mid_stream_lose_and_recompute_nothing(router_tier, hf_r
     clients' streams there go on. One signal each way, and the other in the
     other case."""
     tier = router_tier(3, router_args=("--lease-ttl", "20"))
-    for i in range(2):
-        tier.start_replica(f"r{i}", "--max-num-seqs", "2", router=",".join(tier.addresses(1, 2, 0)))
+    tier.start_replicas({f"r{i}": (("--max-num-seqs", "2"), ",".join(tier.addresses(1, 2, 0)))
+                         for i in range(2)})
     max_tokens = 2 * MAX_TOKENS
 
     async def stop(i: int, sig) -> None:
@@ -141,8 +176,8 @@ def test_a_router_frozen_past_its_lease_is_fenced_and_rejoins(router_tier, hf_re
     running work; once it runs again its first write is refused (FENCED), it
     starts over as a new router on the same port and serves again."""
     tier = router_tier(2, router_args=("--lease-ttl", "20", "--router-lease-ttl", "4"))
-    tier.start_replica("r0", "--max-num-seqs", "2", router=",".join(tier.addresses(0, 1)))
-    tier.start_replica("r1", "--max-num-seqs", "2", router=",".join(tier.addresses(1, 0)))
+    tier.start_replicas({"r0": (("--max-num-seqs", "2"), ",".join(tier.addresses(0, 1))),
+                         "r1": (("--max-num-seqs", "2"), ",".join(tier.addresses(1, 0)))})
     frozen = tier.routers[0]
 
     async def scenario():
@@ -173,41 +208,3 @@ def test_a_router_frozen_past_its_lease_is_fenced_and_rejoins(router_tier, hf_re
     check_exact(followers, results, hf_reference)
     assert frozen.alive()
     assert tier.replica_failures() == []
-
-
-def test_pull_keeps_arrival_order_across_routers(router_tier, hf_reference):
-    """Two routers, one replica each, two seats each; requests arrive at both in
-    turn and queue. One shared queue, popped atomically from its head: requests
-    are assigned in queue (arrival) order, except that a request can only be
-    passed by one that was already popped before it was stored (the bound in
-    docs/router.md: submit latency and the routers' clocks)."""
-    tier = router_tier(2, router_args=("--lease-ttl", "20"))
-    tier.start_replica("r0", "--max-num-seqs", "2", router=tier.address_of(0))
-    tier.start_replica("r1", "--max-num-seqs", "2", router=tier.address_of(1))
-    prompts = PROMPTS + [p[::-1] for p in PROMPTS]
-
-    async def scenario():
-        followers, tasks = [], []
-        for i, p in enumerate(prompts):
-            f = Follower([tier.address_of(i % 2)], p, f"order-{i:02d}", max_tokens=24)
-            followers.append(f)
-            tasks.append(asyncio.create_task(f.run()))
-            await asyncio.sleep(0.03)
-        return followers, await asyncio.gather(*tasks)
-
-    followers, results = asyncio.run(scenario())
-    check_exact(followers, results, hf_reference)
-    r = redis.Redis.from_url(tier.redis_url)
-    try:
-        fields = ("m", "ao", "sat", "pat", "fe")
-        recs = [dict(zip(fields, (v.decode() for v in r.hmget(f"quadriga:req:order-{i:02d}", fields))))
-                for i in range(len(prompts))]
-    finally:
-        r.close()
-    assert {rec["fe"] for rec in recs[0::2]} != {rec["fe"] for rec in recs[1::2]}
-    by_queue = sorted(recs, key=lambda rec: rec["m"])
-    for i, early in enumerate(by_queue):
-        for late in by_queue[i + 1:]:
-            if int(late["ao"]) < int(early["ao"]):   # passed: only by one popped before it was stored
-                assert float(early["sat"]) > float(late["pat"]), (early, late)
-    assert {last.timings.replica_id for _, last in results} == {"r0", "r1"}

@@ -3,6 +3,8 @@ router (LiveStack), or several sharing one Redis (RouterTier)."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -28,15 +30,15 @@ class LiveStack:
 
     def start_router(self) -> None:
         self.router = self._router_child("router", self.port)
+        wait_for_health(self.address, self.router, timeout=60)
 
     def _router_child(self, name: str, port: int) -> Child:
-        child = Child(name, [
+        """A router process, started; healthy once wait_for_health says so."""
+        return Child(name, [
             "-m", "router", "--port", str(port), "--host", "127.0.0.1",
             "--redis-url", self.redis_url, "--policy", self.policy, "--model", self.model,
             "--lease-ttl", "3", "--heartbeat-interval", "0.5", *self.router_args,
         ], self.log_dir)
-        wait_for_health(f"127.0.0.1:{port}", child, timeout=60)
-        return child
 
     def start_replica(self, replica_id: str, *args: str, wait: bool = True,
                       router: str | None = None) -> Child:
@@ -49,6 +51,13 @@ class LiveStack:
         if wait:
             self.wait_registered(replica_id)
         return child
+
+    def start_replicas(self, specs: dict[str, tuple[tuple[str, ...], str | None]]) -> None:
+        """Several replicas at once, {id: (args, router)}: their start-ups overlap."""
+        for replica_id, (args, router) in specs.items():
+            self.start_replica(replica_id, *args, wait=False, router=router)
+        for replica_id in specs:
+            self.wait_registered(replica_id)
 
     def wait_registered(self, replica_id: str, timeout: float = 120) -> None:
         child = self.replicas[replica_id]
@@ -72,8 +81,7 @@ class LiveStack:
         return bad
 
     def stop(self) -> None:
-        for child in self.replicas.values():
-            child.stop(timeout=10)
+        stop_together(list(self.replicas.values()), timeout=10)
         if self.router is not None:
             self.router.stop(timeout=10)
 
@@ -96,18 +104,35 @@ class RouterTier(LiveStack):
         return [self.address_of(i) for i in (order or range(len(self.ports)))]
 
     def start_router(self, i: int | None = None) -> None:
-        """Router i (again, after a kill), or every router not running."""
+        """Router i (again, after a kill), or every router not running (started
+        together, then each waited for)."""
+        started = []
         for k in ([i] if i is not None else range(len(self.ports))):
             if self.routers[k] is None or not self.routers[k].alive():
                 self.routers[k] = self._router_child(f"router{k}", self.ports[k])
+                started.append(k)
+        for k in started:
+            wait_for_health(self.address_of(k), self.routers[k], timeout=60)
         self.router = self.routers[0]
 
     def log_of(self, i: int) -> str:
         return (self.log_dir / f"router{i}.log").read_text(errors="replace")
 
     def stop(self) -> None:
-        for child in self.replicas.values():
-            child.stop(timeout=10)
-        for child in self.routers:
-            if child is not None:
-                child.stop(timeout=10)
+        stop_together(list(self.replicas.values()), timeout=10)
+        stop_together([c for c in self.routers if c is not None], timeout=10)
+
+
+def stop_together(children: list[Child], timeout: float) -> None:
+    """Child.stop for several at once: each gets SIGTERM before any is waited for,
+    and every one that outlives the timeout is killed."""
+    for child in children:
+        if child.alive():
+            child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for child in children:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        child.stop(timeout=0)   # kills it if still alive; closes its log
