@@ -69,7 +69,9 @@ def test_clients_on_one_router_replicas_on_others_then_arrival_order(router_tier
     docs/router.md: submit latency and the routers' clocks). (Two routers:
     the frozen-router test below.)"""
     tier = router_tier(3, router_args=("--lease-ttl", "20"))
-    tier.start_replicas({f"r{i}": (("--max-num-seqs", "2"), tier.address_of(1 + i)) for i in range(2)})
+    for i in range(2):
+        tier.start_replica(f"r{i}", "--max-num-seqs", "2", router=tier.address_of(1 + i), wait=False)
+    tier.wait_registered("r0", "r1")
 
     async def through_router_0():
         followers = [Follower([tier.address_of(0)], p, f"multi-{i}") for i, p in enumerate(PROMPTS)]
@@ -132,8 +134,10 @@ def test_routers_stopped_mid_stream_lose_and_recompute_nothing(router_tier, hf_r
     clients' streams there go on. One signal each way, and the other in the
     other case."""
     tier = router_tier(3, router_args=("--lease-ttl", "20"))
-    tier.start_replicas({f"r{i}": (("--max-num-seqs", "2"), ",".join(tier.addresses(1, 2, 0)))
-                         for i in range(2)})
+    for i in range(2):
+        tier.start_replica(f"r{i}", "--max-num-seqs", "2", router=",".join(tier.addresses(1, 2, 0)),
+                           wait=False)
+    tier.wait_registered("r0", "r1")
     max_tokens = 2 * MAX_TOKENS
 
     async def stop(i: int, sig) -> None:
@@ -176,8 +180,9 @@ def test_a_router_frozen_past_its_lease_is_fenced_and_rejoins(router_tier, hf_re
     running work; once it runs again its first write is refused (FENCED), it
     starts over as a new router on the same port and serves again."""
     tier = router_tier(2, router_args=("--lease-ttl", "20", "--router-lease-ttl", "4"))
-    tier.start_replicas({"r0": (("--max-num-seqs", "2"), ",".join(tier.addresses(0, 1))),
-                         "r1": (("--max-num-seqs", "2"), ",".join(tier.addresses(1, 0)))})
+    tier.start_replica("r0", "--max-num-seqs", "2", router=",".join(tier.addresses(0, 1)), wait=False)
+    tier.start_replica("r1", "--max-num-seqs", "2", router=",".join(tier.addresses(1, 0)), wait=False)
+    tier.wait_registered("r0", "r1")
     frozen = tier.routers[0]
 
     async def scenario():

@@ -42,7 +42,9 @@ class LiveStack:
 
     def start_replica(self, replica_id: str, *args: str, wait: bool = True,
                       router: str | None = None) -> Child:
-        """router: the address it dials (default the router's; a fault proxy, say)."""
+        """router: the address it dials (default the router's; a fault proxy, say).
+        wait=False: started only; start several so, then wait_registered(*ids), and
+        their start-ups (seconds of CPU each) overlap."""
         child = Child(replica_id, [
             "-m", "replica_worker", "--router", router or self.address, "--model", self.model,
             "--replica-id", replica_id, "--threads", "1", *args,
@@ -52,23 +54,16 @@ class LiveStack:
             self.wait_registered(replica_id)
         return child
 
-    def start_replicas(self, specs: dict[str, tuple[tuple[str, ...], str | None]]) -> None:
-        """Several replicas at once, {id: (args, router)}: their start-ups overlap."""
-        for replica_id, (args, router) in specs.items():
-            self.start_replica(replica_id, *args, wait=False, router=router)
-        for replica_id in specs:
-            self.wait_registered(replica_id)
-
-    def wait_registered(self, replica_id: str, timeout: float = 120) -> None:
-        child = self.replicas[replica_id]
+    def wait_registered(self, *replica_ids: str, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if "registered with router" in child.tail(400):
-                return
-            if not child.alive():
-                raise RuntimeError(f"{replica_id} exited:\n{child.tail()}")
-            time.sleep(0.05)
-        raise RuntimeError(f"{replica_id} did not register:\n{child.tail()}")
+        for replica_id in replica_ids:
+            child = self.replicas[replica_id]
+            while "registered with router" not in child.tail(400):
+                if not child.alive():
+                    raise RuntimeError(f"{replica_id} exited:\n{child.tail()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{replica_id} did not register:\n{child.tail()}")
+                time.sleep(0.05)
 
     def replica_failures(self) -> list[str]:
         """Replicas that exited, or logged a traceback: neither may happen in a fault test."""
