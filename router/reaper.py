@@ -3,7 +3,9 @@ lease (their work is requeued at once), requeues DETACHED requests whose
 lease ran out, renews the Redis leases of live replicas' requests, and
 sweeps the in-flight leases of every router (lua_routers.SWEEP_INFLIGHT): a
 running request whose lease lapsed while its back router is gone goes back
-to the shared queue, with its output so far.
+to the shared queue, with its output so far. It also drops the prefix-cache
+views of replicas whose stream broke a lease ago and did not come back
+(replicas/ops.py), and syncs the writer's and the prefix index's gauges.
 
 There is no recovery at start: a router takes in what it does not hold when
 it meets it (a pop returns the record, a replica registering with requests
