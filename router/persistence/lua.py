@@ -82,11 +82,12 @@ SUBMIT_REPLY_ITEMS = 3
 # when it was stored), and its other fronts hear that it left the queue ('a').
 # A pop that ran before (same token) takes nothing more and returns what it
 # took then (`again`: the pop's own body is skipped).
-# take_from_head: from the head while token credit is left (head-of-line:
-# queue order holds). The last request taken may overrun the credit: a
-# replica grants tokens for the prefill it can start soon, and a prompt longer
-# than that must still start on a replica with room. Cost = prompt + output so
-# far (recomputed). Members whose request left the queue are dropped.
+# take_from_head(n, budget): up to n from the head while token credit is left
+# (budget; -1: no limit) (head-of-line: queue order holds). The last request
+# taken may overrun the credit: a replica grants tokens for the prefill it can
+# start soon, and a prompt longer than that must still start on a replica with
+# room. cost_ = prompt + output so far (recomputed). Members whose request left
+# the queue are dropped.
 # -> 5 per request: id, assignment count, requeues, output tokens so far, and
 #    its whole record (record_) when the caller is not one of its fronts (it
 #    may not hold it: lazy adoption), else ''.
@@ -105,8 +106,11 @@ local function lease(h, id, member)
   tell_fronts_(h, 'k', 'a', 'id', id, 'n', count)
   taken[#taken + 1] = id
 end
-local function take_from_head()
-  local n, budget = tonumber(ARGV[6]), tonumber(ARGV[7])
+local function cost_(h, id)
+  return tonumber(redis.call('HGET', h, 'pl'))
+    + math.floor(redis.call('STRLEN', prefix .. 'out:' .. id) / 4)
+end
+local function take_from_head(n, budget)
   local limited = budget >= 0
   if n <= 0 then return end
   for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, n - 1)) do
@@ -116,8 +120,7 @@ local function take_from_head()
       redis.call('ZREM', KEYS[1], m)
     else
       if limited and budget <= 0 then break end
-      budget = budget - tonumber(redis.call('HGET', h, 'pl'))
-        - math.floor(redis.call('STRLEN', prefix .. 'out:' .. id) / 4)
+      budget = budget - cost_(h, id)
       lease(h, id, m)
     end
   end
@@ -146,20 +149,24 @@ POP_REPLY_ITEMS = 5
 
 # Atomic peek-check-pop: take_from_head, nothing else.
 POP = fenced(_POP_PRELUDE + """
-if not again then take_from_head() end
+if not again then take_from_head(tonumber(ARGV[6]), tonumber(ARGV[7])) end
 return reply()
 """)
 
 # Named pop: the requests a policy chose (pull affinity), those still queued in
 # that queue, leased as POP does, in the order given. Credit is the router's to
-# check (it chose within it). ARGV after the prelude's: queue name, the first
-# request of that queue the router holds (its policy saw nothing older), then
-# the ids. The router chooses only among the requests it holds; when the
-# queue's first request is not that one (another router's, older: the caller
-# cannot see it), it takes from the head as POP does, so work other routers
-# submitted is never passed over for good.
+# check (it chose within it). ARGV after the prelude's: queue name, k, the k
+# oldest requests of that queue the router holds (k = picks + 1: enough to
+# know whether the queue's first request is one of them after each pick), then
+# the picks. The router chooses only among the requests it holds: a pick is
+# taken only while the queue's first request is one of them. Once another
+# leads (an older request of another router, which the caller cannot see, or
+# one popped elsewhere meanwhile), the seats and credit left are taken from
+# the head as POP does. So another router's request is passed over only by a
+# pick made ahead of the caller's own older requests (for its cache); with
+# every pick in the caller's queue order this takes what POP would.
 POP_IDS = fenced(_POP_PRELUDE + """
-local qname, known = ARGV[8], ARGV[9]
+local qname, k = ARGV[8], tonumber(ARGV[9])
 local function first_queued()
   while true do
     local m = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
@@ -170,16 +177,25 @@ local function first_queued()
   end
 end
 if not again then
-  local first = first_queued()
-  if first and first ~= known then
-    take_from_head()
-  else
-    for i = 10, #ARGV do
-      local id = ARGV[i]
-      local h = prefix .. 'req:' .. id
-      local st, q, m = unpack(redis.call('HMGET', h, 'st', 'q', 'm'))
-      if st == 'q' and q == qname then lease(h, id, m) end
+  local held = {}
+  for i = 10, 9 + k do held[ARGV[i]] = true end
+  local n, budget = tonumber(ARGV[6]), tonumber(ARGV[7])
+  local i = 10 + k
+  while true do
+    local first = first_queued()
+    if first and not held[first] then
+      take_from_head(n - #taken, budget)
+      break
     end
+    if i > #ARGV then break end
+    local id = ARGV[i]
+    local h = prefix .. 'req:' .. id
+    local st, q, m = unpack(redis.call('HMGET', h, 'st', 'q', 'm'))
+    if st == 'q' and q == qname then
+      if budget >= 0 then budget = math.max(0, budget - cost_(h, id)) end
+      lease(h, id, m)
+    end
+    i = i + 1
   end
 end
 return reply()

@@ -180,14 +180,15 @@ class Store:
                      reply_arity=-1, numkeys=2)
 
     def pop_ids(self, queue: str, replica: str, max_requests: int, max_prompt_tokens: int | None,
-                lease_expiry: float, now: float, token: str, known_first: str,
+                lease_expiry: float, now: float, token: str, held: list[str],
                 ids: list[str]) -> Write:
-        """Takes these requests, those still queued in `queue`, in this order; when
-        the queue's first request is not `known_first` (the oldest this router holds
-        there), from the head as `pop` does. Reply: as `pop`'s."""
+        """Takes these requests, those still queued in `queue`, in this order, while
+        the queue's first request is one of `held` (the oldest this router holds
+        there, len(ids) + 1 of them); then the rest from the head as `pop` does.
+        Reply: as `pop`'s."""
         return Write(self._pop_ids, self._pop_args(queue, replica, max_requests, max_prompt_tokens,
                                                    lease_expiry, now, token)
-                     + (queue, known_first, *ids),
+                     + (queue, len(held), *held, *ids),
                      reply_arity=-1, numkeys=2)
 
     def _pop_args(self, queue, replica, max_requests, max_prompt_tokens, lease_expiry, now,

@@ -16,8 +16,8 @@ is known from arrivals (this router's, and other routers' through their
 kick events, events.py), not from memory. A pop takes requests this router
 does not hold with their record (lazy adoption). Per-replica policies pop a
 replica's own queue first, then the shared queue. A policy chooses only
-among the requests this router holds; the named pop takes from the head
-instead whenever the queue's first request is not one of them.
+among the requests this router holds; the named pop takes its picks only
+while the queue's first request is one of them, then from the head.
 """
 
 from __future__ import annotations
@@ -216,8 +216,9 @@ class PullScheduler:
             self._retry_in(choice.retry_in)
         # Sent even with no picks: the queue's first request may be another
         # router's, which this router cannot see and must not pass over.
+        held = self.table.oldest_queued(queue, len(choice.picks) + 1)
         return (self.store.pop_ids(queue, session.id, seats, credit.token_limit,
-                                   now + self.lease_ttl, now, token, held[0].id,
+                                   now + self.lease_ttl, now, token, [r.id for r in held],
                                    [r.id for r, _ in choice.picks]),
                 {r.id: why for r, why in choice.picks})
 

@@ -66,8 +66,9 @@ def test_clients_on_one_router_replicas_on_others_then_arrival_order(router_tier
     (two seats a replica): one shared queue, popped atomically from its head,
     assigns them in queue (arrival) order, except that a request can only be
     passed by one that was already popped before it was stored (the bound in
-    docs/router.md: submit latency and the routers' clocks). (Two routers:
-    the frozen-router test below.)"""
+    docs/router.md: submit latency and the routers' clocks). Their prompts
+    share no block with each other or with the first ones, so pull affinity
+    has nothing to reorder for. (Two routers: the frozen-router test below.)"""
     tier = router_tier(3, router_args=("--lease-ttl", "20"))
     for i in range(2):
         tier.start_replica(f"r{i}", "--max-num-seqs", "2", router=tier.address_of(1 + i), wait=False)
@@ -83,7 +84,7 @@ def test_clients_on_one_router_replicas_on_others_then_arrival_order(router_tier
     assert all(not f.stream.broken for f in followers)
     assert "joined" not in tier.log_of(0)
 
-    prompts = PROMPTS + [p[::-1] for p in PROMPTS]
+    prompts = [p[::-1] for p in PROMPTS] + [[t + 1 for t in p] for p in PROMPTS]
 
     async def at_routers_1_and_2_in_turn():
         followers, tasks = [], []

@@ -31,8 +31,8 @@ router holds in memory (its own arrivals waiting in the queue), and the
 caches it weighs are its own replicas': other routers' requests are not
 seen, and the bound holds among this router's requests. They are not
 starved: the scheduler pops the head when this router holds none of the
-queue, and the named pop takes from the head instead of the picks whenever
-the queue's first request is not the oldest this router holds
+queue, and the named pop takes the picks only while the queue's first
+request is one this router holds, then from the head
 (router/persistence/lua.py, POP_IDS).
 """
 
