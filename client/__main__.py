@@ -1,17 +1,22 @@
 """python -m client "prompt" [--max-tokens N --temperature T ...]: streams the text to stdout.
 
 python -m client --chat "question": asks the model a question through the
-router's OpenAI API, with its chat template, and streams the answer."""
+router's OpenAI API, with its chat template, and streams the answer.
+
+--router takes several comma-separated addresses: when a router goes away
+mid-stream the client re-attaches at the next one by request_id, and the
+output goes on where it stopped."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 
 import grpc
 
-from client.api import FINISH_NAMES, make_request, metadata, sync_stub
+from client.api import FINISH_NAMES, FailoverStream, make_request, metadata, parse_routers
 
 
 def parse_args(argv=None):
@@ -20,7 +25,8 @@ def parse_args(argv=None):
     p.add_argument("--chat", metavar="QUESTION", help="ask through the OpenAI API instead")
     p.add_argument("--http", default=os.environ.get("QUADRIGA_OPENAI_URL", "http://127.0.0.1:8000/v1"),
                    help="the router's OpenAI API, for --chat")
-    p.add_argument("--router", default=os.environ.get("QUADRIGA_ROUTER_ADDRESS", "127.0.0.1:50051"))
+    p.add_argument("--router", default=os.environ.get("QUADRIGA_ROUTER_ADDRESS", "127.0.0.1:50051"),
+                   help="HOST:PORT, or several comma-separated (tried in turn)")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)
@@ -64,7 +70,11 @@ def main(argv=None) -> int:
     if a.prompt is None:
         print("give a prompt, or --chat QUESTION", file=sys.stderr)
         return 2
-    stub = sync_stub(a.router, a.tls_ca_file)
+    try:
+        routers = parse_routers(a.router)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     request = make_request(
         a.prompt, request_id=a.request_id, max_tokens=a.max_tokens, temperature=a.temperature,
         top_p=a.top_p, top_k=a.top_k, seed=a.seed, ignore_eos=a.ignore_eos, stop=a.stop,
@@ -72,19 +82,25 @@ def main(argv=None) -> int:
     )
     # The API key comes from the environment only, so it never shows in `ps`.
     md = metadata(os.environ.get("QUADRIGA_API_KEY", ""))
+    stream = FailoverStream(routers, request, ca_file=a.tls_ca_file, metadata=md)
     try:
-        for msg in stub.Generate(request, metadata=md):
-            sys.stdout.write(msg.text)
-            sys.stdout.flush()
-            if msg.HasField("finish_reason"):
-                print(f"\n[{FINISH_NAMES.get(msg.finish_reason, '?')}]", file=sys.stderr)
-                if msg.error:
-                    print(f"error: {msg.error}", file=sys.stderr)
-                if a.timings:
-                    print(msg.timings, file=sys.stderr)
-    except grpc.RpcError as exc:
-        print(f"\n{exc.code().name}: {exc.details()}", file=sys.stderr)
+        return asyncio.run(_print(stream, a.timings))
+    except (grpc.aio.AioRpcError, RuntimeError) as exc:
+        detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else exc
+        print(f"\n{detail}", file=sys.stderr)
         return 1
+
+
+async def _print(stream: FailoverStream, timings: bool) -> int:
+    async for msg in stream:
+        sys.stdout.write(msg.text)
+        sys.stdout.flush()
+        if msg.HasField("finish_reason"):
+            print(f"\n[{FINISH_NAMES.get(msg.finish_reason, '?')}]", file=sys.stderr)
+            if msg.error:
+                print(f"error: {msg.error}", file=sys.stderr)
+            if timings:
+                print(msg.timings, file=sys.stderr)
     return 0
 
 

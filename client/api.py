@@ -1,6 +1,10 @@
-"""Builds GenerateRequests and opens channels; shared by the CLI, tests and benchmarks."""
+"""Builds GenerateRequests, opens channels, and follows a request across a
+list of routers (FailoverStream); shared by the CLI, tests and benchmarks."""
 
 from __future__ import annotations
+
+import asyncio
+import uuid
 
 import grpc
 
@@ -55,14 +59,117 @@ def metadata(api_key: str = "") -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
-def aio_channel(address: str, ca_file: str = "") -> grpc.aio.Channel:
+def aio_channel(address: str, ca_file: str = "", options=()) -> grpc.aio.Channel:
     creds = channel_credentials(ca_file)
     if creds is None:
-        return grpc.aio.insecure_channel(address)
-    return grpc.aio.secure_channel(address, creds)
+        return grpc.aio.insecure_channel(address, options=list(options))
+    return grpc.aio.secure_channel(address, creds, options=list(options))
 
 
 def sync_stub(address: str, ca_file: str = "") -> generation_pb2_grpc.GenerationStub:
     creds = channel_credentials(ca_file)
     channel = grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
     return generation_pb2_grpc.GenerationStub(channel)
+
+
+# A router that froze (its process stopped, the network gone without a reset)
+# ends the stream within about 8 s, so the client moves on instead of waiting
+# for TCP to give up. gRPC core times a ping out after ping_timeout_ms (one
+# minute by default; keepalive_timeout alone does not end the stream while
+# another ping is outstanding). The router accepts pings this often.
+KEEPALIVE_OPTIONS = (("grpc.keepalive_time_ms", 3_000), ("grpc.keepalive_timeout_ms", 5_000),
+                     ("grpc.http2.ping_timeout_ms", 5_000),
+                     ("grpc.keepalive_permit_without_calls", 1),
+                     ("grpc.http2.max_pings_without_data", 0))
+# A stream that ends with one of these is taken up again at the next router.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                       grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                       grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def parse_routers(value: str) -> list[str]:
+    """'host:port[,host:port...]' -> the addresses, in order."""
+    routers = [r.strip() for r in value.split(",") if r.strip()]
+    if not routers or any(":" not in r for r in routers):
+        raise ValueError(f"routers must be HOST:PORT[,HOST:PORT...], got {value!r}")
+    return routers
+
+
+class FailoverStream:
+    """Streams one request from a list of routers: when a stream breaks
+    (its router stopped, died or froze) it calls the next router with the same
+    request_id, which re-attaches and replays the output from token 0; what
+    was delivered already is skipped, so the caller sees every token once, in
+    order, with output_offset continuing. A request without a request_id gets one.
+
+        async for msg in FailoverStream(["a:50051", "b:50051"], request): ...
+    """
+
+    def __init__(self, routers: list[str], request: pb.GenerateRequest, *, ca_file: str = "",
+                 metadata=(), attempt_timeout: float | None = None, max_attempts: int = 100,
+                 retry_delay: float = 0.2, channels: dict | None = None):
+        """channels: address -> open channel, shared by many streams (a load
+        generator); without it each attempt opens and closes its own."""
+        self.routers = list(routers)
+        self.request = pb.GenerateRequest()
+        self.request.CopyFrom(request)
+        if not self.request.request_id:
+            self.request.request_id = uuid.uuid4().hex
+        self.ca_file, self.metadata = ca_file, tuple(metadata)
+        self.attempt_timeout, self.max_attempts, self.retry_delay = attempt_timeout, max_attempts, retry_delay
+        self.channels = channels
+        self.tokens = 0          # tokens delivered to the caller
+        self.chars = 0           # characters of text delivered
+        self.broken: list[str] = []   # how each attempt that broke ended (status names)
+        self._turn = 0
+
+    async def __aiter__(self):
+        while True:
+            address = self.routers[self._turn % len(self.routers)]
+            try:
+                async for msg in self._attempt(address):
+                    yield msg
+                    if msg.HasField("finish_reason"):
+                        return
+                code = grpc.StatusCode.UNAVAILABLE   # ended without a finish
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE:
+                    raise
+                code = exc.code()
+            self.broken.append(code.name)
+            if len(self.broken) >= self.max_attempts:
+                raise RuntimeError(f"request {self.request.request_id}: {len(self.broken)} attempts "
+                                   f"broke ({', '.join(self.broken[-3:])})")
+            self._turn += 1
+            await asyncio.sleep(self.retry_delay)
+
+    async def _attempt(self, address: str):
+        if self.channels is None:
+            async with aio_channel(address, self.ca_file, options=KEEPALIVE_OPTIONS) as channel:
+                async for msg in self._follow(channel):
+                    yield msg
+            return
+        if address not in self.channels:
+            self.channels[address] = aio_channel(address, self.ca_file, options=KEEPALIVE_OPTIONS)
+        async for msg in self._follow(self.channels[address]):
+            yield msg
+
+    async def _follow(self, channel):
+        seen_tokens = seen_chars = 0     # what this attempt's stream has carried
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        async for msg in stub.Generate(self.request, metadata=self.metadata,
+                                       timeout=self.attempt_timeout):
+            skip_tokens = max(0, self.tokens - msg.output_offset)
+            skip_chars = max(0, self.chars - seen_chars)
+            seen_tokens, seen_chars = msg.output_offset + len(msg.token_ids), seen_chars + len(msg.text)
+            out = pb.GenerateResponse()
+            out.CopyFrom(msg)
+            del out.token_ids[:skip_tokens]
+            del out.logprobs[:skip_tokens]
+            out.text = msg.text[skip_chars:]
+            out.output_offset = msg.output_offset + min(skip_tokens, len(msg.token_ids))
+            if not out.token_ids and not out.text and not msg.HasField("finish_reason"):
+                continue
+            self.tokens = max(self.tokens, seen_tokens)
+            self.chars = max(self.chars, seen_chars)
+            yield out

@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from common.tokenizer import encode_prompt, load_tokenizer
-from router.recovery import state_from_record
+from router.persistence.store import record_from_flat
+from router.requests.record import state_from_record
 from router.requests.request import RequestState
 from router.requests.spec import RequestSpec
 from router.validation import (ModelLimits, RouterError, check_request, effective_max_tokens,
@@ -39,6 +40,8 @@ class Admission:
         self.metrics = metrics
         self.stopping = False
         self.waiting_for_replica = 0
+        # Replicas connected to the other live routers (set by the router's wiring).
+        self.replicas_elsewhere = lambda: 0
         self.executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self._tokenizer: asyncio.Future | None = None
 
@@ -147,13 +150,23 @@ class Admission:
         except Exception as exc:  # a template that refuses these messages
             raise invalid(f"the chat template refused the messages: {exc}") from exc
 
+    def _replica_anywhere(self) -> bool:
+        return bool(len(self.registry) or self.replicas_elsewhere())
+
     async def _wait_for_replica(self) -> None:
-        if len(self.registry):
+        """Until a replica is connected here or to another router: any of them
+        may pull the request from the shared queue."""
+        if self._replica_anywhere():
             return
         self.waiting_for_replica += 1
         try:
-            await asyncio.wait_for(self.registry.any_replica.wait(), self.config.no_replica_timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.config.no_replica_timeout):
+                while not self._replica_anywhere():
+                    try:
+                        await asyncio.wait_for(self.registry.any_replica.wait(), 0.25)
+                    except asyncio.TimeoutError:
+                        pass
+        except TimeoutError:
             raise unavailable(f"no replica serving {self.config.served_model_name} connected within "
                               f"{self.config.no_replica_timeout:g} s", "no_replica") from None
         finally:
@@ -161,24 +174,26 @@ class Admission:
 
     async def _from_store(self, rid: str, digest: str, stored_digest: str) -> RequestState:
         """The id exists in Redis but not in memory: a finished request kept for
-        result_ttl, or a live one this router does not hold (it takes it in)."""
+        result_ttl, or a live one this router does not hold (another router
+        accepted it, or this router's earlier life). ATTACH makes this router
+        one of its fronts and reads its output in the same step, so the output
+        replayed and what follows through events (events.py) meet exactly."""
         self._same_body(stored_digest, digest, rid)
+        self.table.begin_attach(rid)
         try:
-            [rec] = await self.store.load_requests([rid])
+            flat = await self.writer.call(self.store.attach(rid, digest))
         except Exception as exc:
-            raise unavailable(f"reading request {rid!r} from Redis failed ({exc}); retry", "store") from exc
-        if rec is None:
+            self.table.attach_remote(rid, None)
+            raise unavailable(f"attaching to request {rid!r} failed ({exc}); retry", "store") from exc
+        rec = record_from_flat(rid, flat)
+        req = state_from_record(rec) if rec is not None else None
+        found = self.table.get(rid)
+        self.table.attach_remote(rid, req)
+        if req is None:
             raise unavailable(f"request {rid!r} expired while re-attaching; retry", "expired")
-        req = state_from_record(rec)
-        if req.finished:
-            return req
-        found = self._in_memory(rid, digest)
         if found is not None:
+            self._same_body(found.digest, digest, rid)
             return found
-        import time
-
-        self.table.load_recovered(req, rec.get("st", b"").decode(), rec.get("o", b"").decode(),
-                                  time.time())
         return req
 
     def cancel(self, rid: str, source: str) -> bool:

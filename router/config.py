@@ -27,6 +27,7 @@ class RouterConfig:
     queue_limit: int = 10_000          # queued (not yet assigned) requests
     no_replica_timeout: float = 30.0   # seconds a request waits for a first replica
     lease_ttl: float = 10.0
+    router_lease_ttl: float = 10.0     # a router silent this long is fenced and forgotten
     heartbeat_interval: float = 2.0
     replica_token: str = ""            # shared secret replicas present at Register
     api_keys: str = ""                 # comma-separated client API keys; empty: no check
@@ -70,13 +71,14 @@ class RouterConfig:
             problems.append(f"policy: {self.policy!r} is not one of {sorted(POLICIES)}")
         if self.queue_limit < 1:
             problems.append("queue_limit must be at least 1")
-        for name in ("no_replica_timeout", "lease_ttl", "heartbeat_interval", "result_ttl",
+        for name in ("no_replica_timeout", "lease_ttl", "router_lease_ttl", "heartbeat_interval",
+                     "result_ttl",
                      "register_timeout", "redis_timeout", "submit_timeout", "stall_after",
                      "shutdown_timeout"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be positive")
-        if self.heartbeat_interval >= self.lease_ttl:
-            problems.append("heartbeat_interval must be shorter than lease_ttl")
+        if self.heartbeat_interval >= min(self.lease_ttl, self.router_lease_ttl):
+            problems.append("heartbeat_interval must be shorter than lease_ttl and router_lease_ttl")
         if not 1 <= self.stream_interval <= 4096:
             problems.append("stream_interval must lie in [1, 4096]")
         if self.submit_timeout < self.redis_timeout:

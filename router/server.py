@@ -26,14 +26,16 @@ from common.tokenizer import max_model_len, vocab_size
 from router.admission import Admission
 from router.auth import ApiKeyInterceptor, server_credentials
 from router.config import RouterConfig
+from router.liveness import RouterLease
 from router.frontends.grpc_api import GENERATE_METHOD, GenerationService
 from router.malformed import MalformedInterceptor
 from router.metrics import Metrics
 from router.persistence.store import Store
 from router.persistence.writer import RedisWriter
+from router.events import EventReader
 from router.prefix.index import PrefixIndex
 from router.prefix.matcher import PrefixMatcher
-from router.recovery import Reaper, recover
+from router.reaper import Reaper
 from router.replicas.gateway import CONNECT_METHOD, ReplicaGateway
 from router.replicas.ops import ReplicaOps
 from router.replicas.registry import Registry
@@ -50,6 +52,8 @@ SERVICE_NAMES = (
 )
 SHUTDOWN_MESSAGE = ("the router is restarting; nothing was cancelled: call again with the same "
                     "request_id to re-attach")
+FENCED_MESSAGE = ("the router lost its Redis lease and starts over; nothing was cancelled: call "
+                  "again with the same request_id to re-attach")
 
 
 class RouterApp:
@@ -73,13 +77,21 @@ class RouterApp:
                                        config.lease_ttl, prefix, PolicySettings.from_config(config),
                                        self.metrics)
         self.ops = ReplicaOps(self.table, self.scheduler, self.registry, self.metrics,
-                              self.limits.vocab_size, config.lease_ttl, self.prefix_index)
+                              self.limits.vocab_size, config.lease_ttl, self.store, self.writer,
+                              self.prefix_index)
         self.admission = Admission(config, self.limits, self.table, self.scheduler, self.registry,
                                    self.writer, self.store, self.metrics)
         self.reaper = Reaper(self.table, self.ops, self.registry, self.writer, self.store,
-                             self.metrics, config)
-        self.table.on_queued = self.scheduler.kick
+                             self.metrics, config, self.scheduler)
+        self.lease = RouterLease(self.store, self.writer, config.router_lease_ttl,
+                                 config.heartbeat_interval, lambda: len(self.registry))
+        self.admission.replicas_elsewhere = lambda: self.lease.remote_replicas
+        self.fenced = asyncio.Event()
+        self.writer.on_fenced = lambda reason: self.fenced.set()
+        self.table.on_queued = self.scheduler.work_arrived
         self.table.on_cancel_running = self._cancel_on_replica
+        self.table.on_release_running = self._release_on_replica
+        self.events: EventReader | None = None   # once the lease names this router
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.port = 0
@@ -92,6 +104,11 @@ class RouterApp:
         if session is not None:
             session.send_cancel([rid])
 
+    def _release_on_replica(self, owner: str, rid: str) -> None:
+        session = self.registry.get(owner)
+        if session is not None:
+            session.remember_released(rid)
+
     def _on_stall(self, stalled: bool) -> None:
         self.metrics.redis_stalled.set(1 if stalled else 0)
         self.table.on_stall(stalled)
@@ -103,8 +120,13 @@ class RouterApp:
     async def start(self) -> int:
         self.admission.start()
         await self.store.ping()
+        await self.lease.acquire()
         self.writer.start()
-        await recover(self.table, self.store, self.writer, self.config.lease_ttl)
+        self.lease.start()
+        self.events = EventReader(self.store, self.table, self.scheduler, self.lease.router_id,
+                                  self.config.redis_timeout)
+        self.table.on_reload = self.events.reload
+        self.events.start()
         self.scheduler.start()
         keys = self.config.api_key_set
         interceptors = [MalformedInterceptor(frozenset({GENERATE_METHOD, CONNECT_METHOD}))]
@@ -117,6 +139,9 @@ class RouterApp:
                 ("grpc.keepalive_time_ms", 20_000),
                 ("grpc.http2.max_pings_without_data", 0),
                 ("grpc.keepalive_permit_without_calls", 1),
+                # Replicas ping every few seconds to notice a frozen router.
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
             ])
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationService(self.admission, self.table, self.config, self.metrics), self.server)
@@ -170,12 +195,42 @@ class RouterApp:
             log.warning("%d writes were not durable within %g s; replicas still hold their "
                         "output", self.writer.pending, self.config.shutdown_timeout)
         self.table.detach_clients(SHUTDOWN_MESSAGE)
+        await self._stop_events()
         await asyncio.sleep(0)  # let the client streams see it before the server cancels them
         if self.http is not None:
             await self.http.stop()
         if self.server is not None:
             await self.server.stop(grace)
         await self.writer.stop()
+        await self.lease.release()
+        await self._close()
+
+    async def abandon(self) -> None:
+        """Fenced: another router may own what this one held, so it writes nothing
+        more, ends every stream (clients re-attach, replicas reconnect) and closes."""
+        self.admission.stopping = True
+        self.table.stopping = True
+        await self.lease.stop()
+        for session in list(self.registry.sessions.values()):
+            session.close(grpc.StatusCode.UNAVAILABLE, "the router lost its Redis lease; reconnect")
+        self.table.detach_clients(FENCED_MESSAGE)
+        await asyncio.sleep(0)
+        # Streams end first, so clients and replicas move on while the rest stops.
+        if self.http is not None:
+            await self.http.stop()
+        if self.server is not None:
+            await self.server.stop(0)
+        await self.scheduler.stop()
+        await self.reaper.stop()
+        await self._stop_events()
+        await self.writer.stop()
+        await self._close()
+
+    async def _stop_events(self) -> None:
+        if self.events is not None:
+            await self.events.stop()
+
+    async def _close(self) -> None:
         await self.store.close()
         self.admission.stop()
         if self.metrics_http is not None:
@@ -188,12 +243,23 @@ class RouterApp:
 
 
 async def serve(config: RouterConfig) -> None:
-    app = RouterApp(config)
-    await app.start()
+    """Runs the router until SIGTERM or SIGINT; a router that was fenced (it lost
+    its lease, say while frozen) abandons its state and starts over."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down: streams end, nothing is cancelled")
-    await app.stop()
+    while True:
+        app = RouterApp(config)
+        await app.start()
+        stopping = asyncio.ensure_future(stop.wait())
+        fenced = asyncio.ensure_future(app.fenced.wait())
+        await asyncio.wait([stopping, fenced], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        fenced.cancel()
+        if stop.is_set():
+            log.info("shutting down: streams end, nothing is cancelled")
+            await app.stop()
+            return
+        log.error("fenced: starting over as a new router")
+        await app.abandon()

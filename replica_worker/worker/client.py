@@ -61,10 +61,12 @@ class ReplicaWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue | None = None  # the live stream's writer queue; None while away
         self._call = None
+        self._router_turn = 0
         self._last_report: EngineReport | None = None
         self._lease_ttl_s = 10.0
         self._heartbeat_s = 1.0
         self._disconnected_at: float | None = None
+        self._last_heard = time.monotonic()   # the last message from the router
         self.draining = False
         self._drain_deadline = float("inf")
         self._done = asyncio.Event()
@@ -124,13 +126,27 @@ class ReplicaWorker:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.config.reconnect_max_s)
 
+    def _next_router(self) -> str:
+        """The routers in turn: a stream that ended (its router gone, say) is re-dialled
+        at the next address, so a replica finds a live router among several."""
+        routers = self.config.routers
+        address = routers[self._router_turn % len(routers)]
+        self._router_turn += 1
+        return address
+
     def _channel(self) -> grpc.aio.Channel:
-        options = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_permit_without_calls", 1)]
+        # Pings every few seconds: a router that froze (its process stopped, the
+        # network gone without a reset) ends the stream in about 8 s, and the
+        # worker moves on, instead of waiting for TCP to give up. gRPC core times
+        # a ping out only after ping_timeout_ms (a minute by default).
+        options = [("grpc.keepalive_time_ms", 3_000), ("grpc.keepalive_timeout_ms", 5_000),
+                   ("grpc.http2.ping_timeout_ms", 5_000),
+                   ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
         if self.config.tls_ca_file:
             with open(self.config.tls_ca_file, "rb") as f:
                 creds = grpc.ssl_channel_credentials(root_certificates=f.read())
-            return grpc.aio.secure_channel(self.config.router, creds, options=options)
-        return grpc.aio.insecure_channel(self.config.router, options=options)
+            return grpc.aio.secure_channel(self._next_router(), creds, options=options)
+        return grpc.aio.insecure_channel(self._next_router(), options=options)
 
     def _expire_if_leases_lapsed(self) -> None:
         """Away longer than a lease: the router has re-queued our work; drop it here.
@@ -239,7 +255,16 @@ class ReplicaWorker:
             msg = await call.read()
             if msg is grpc.aio.EOF:
                 return
+            self._last_heard = time.monotonic()
             self._on_router_message(msg)
+
+    def _router_stopped_answering(self) -> bool:
+        """The router owes Acks and has sent nothing for half a lease: it froze
+        or was cut off. HTTP/2 keepalive misses this when steps have filled the
+        stream's buffers (the ping is never written), so the worker ends the
+        stream itself and moves to the next router before its leases lapse."""
+        return bool(self.book.unacknowledged()) and \
+            time.monotonic() - self._last_heard > self._lease_ttl_s / 2
 
     async def _raise_registration_failure(self, call) -> None:
         code = await call.code()
@@ -249,6 +274,7 @@ class ReplicaWorker:
         raise ConnectionError(f"registration failed: {code}: {details}")
 
     def _on_registered(self, reg: pb.Registered) -> None:
+        self._last_heard = time.monotonic()
         self._lease_ttl_s = reg.lease_ttl_s or self._lease_ttl_s
         self._heartbeat_s = reg.heartbeat_interval_s or self._heartbeat_s
         self._disconnected_at = None
@@ -310,6 +336,11 @@ class ReplicaWorker:
     async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(self._heartbeat_s)
+            if self._router_stopped_answering():
+                log.warning("the router sent nothing for %.1f s while %d deltas wait for its Ack; "
+                            "moving on", time.monotonic() - self._last_heard,
+                            self.book.unacknowledged())
+                return   # ends the session: the worker dials the next router
             load = self._last_report.load if self._last_report else None
             self._send(pb.ReplicaMessage(heartbeat=pb.Heartbeat(
                 running=load.running if load else 0,

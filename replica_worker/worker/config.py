@@ -12,7 +12,10 @@ from replica_worker.engine.config import SCHEDULER_NAMES
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    router: str                      # HOST:PORT of the router's gRPC port
+    # HOST:PORT of a router's gRPC port, or several, comma-separated: the worker
+    # moves to the next one whenever its stream ends. A DNS name that resolves
+    # to several routers (a Kubernetes Service) works too: gRPC tries each.
+    router: str
     model: str                       # local Hugging Face folder
     replica_id: str
     model_name: str                  # what the router matches requests against
@@ -33,9 +36,13 @@ class WorkerConfig:
     threads: int = 0                 # torch CPU threads; 0: torch's default (all cores)
     engine_args: tuple[tuple[str, object], ...] = ()
 
+    @property
+    def routers(self) -> list[str]:
+        return [r.strip() for r in self.router.split(",") if r.strip()]
+
     def __post_init__(self) -> None:
-        if ":" not in self.router:
-            raise ValueError(f"--router must be HOST:PORT, got {self.router!r}")
+        if not self.routers or any(":" not in r for r in self.routers):
+            raise ValueError(f"--router must be HOST:PORT[,HOST:PORT...], got {self.router!r}")
         if self.scheduler not in SCHEDULER_NAMES:
             raise ValueError(f"--scheduler must be one of {SCHEDULER_NAMES}")
         if not 0 <= self.metrics_port < 65536:

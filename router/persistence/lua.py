@@ -12,18 +12,33 @@ offset, never appended.
 
 Scripts that take items repeat a fixed group of arguments per item, so the
 writer can merge consecutive calls of one script into one.
+
+Several routers share one Redis. Every script is fenced (lua_common.FENCE: a
+router whose lease lapsed writes nothing). Every request records its front
+routers (`fe`: they hold its client streams) and its back router (`br`: its
+replica runs it). A script that changes a request another router must hear
+of tells that router through its event stream (router/events.py).
+Per-request fencing: a step, a requeue and an adoption name the assignment
+count (`n`) and owner they expect, and only the back router writes a running
+request's output, so a router/replica pair that lost a request (requeued,
+adopted elsewhere) writes nothing more for it.
 """
 
 from __future__ import annotations
+
+from router.persistence.lua_common import FINISH_EVENT, fenced
 
 # ARGV: prefix, then 12 per request:
 #   id, submit token, digest, spec json, packed prompt ids, prompt_len,
 #   max_tokens, priority, arrival, arrival_us, stream_interval, queue name
 # -> 3 per request: 1, member, '' when stored (also when this very submit
 #    stored it before: same token); 0, digest, state when the id is taken.
-SUBMIT = """
+# The caller is the request's front. An arrival in the shared queue wakes the
+# other routers (kick_), once per call.
+SUBMIT = fenced("""
 local prefix = ARGV[1]
 local out = {}
+local shared = false
 for i = 2, #ARGV, 12 do
   local id = ARGV[i]
   local h = prefix .. 'req:' .. id
@@ -43,109 +58,179 @@ for i = 2, #ARGV, 12 do
     redis.call('HSET', h, 'tok', ARGV[i + 1], 'd', ARGV[i + 2], 'sp', ARGV[i + 3],
       'p', ARGV[i + 4], 'pl', ARGV[i + 5], 'mt', ARGV[i + 6], 'pr', ARGV[i + 7],
       'at', ARGV[i + 8], 'si', ARGV[i + 10], 'q', ARGV[i + 11], 'm', member, 'seq', seq,
-      'st', 'q', 'rq', 0, 'n', 0)
+      'st', 'q', 'rq', 0, 'n', 0, 'fe', router_, 'br', '', 'sat', now_)
     redis.call('ZADD', prefix .. 'q:' .. ARGV[i + 11], -tonumber(ARGV[i + 7]), member)
     redis.call('SADD', prefix .. 'live', id)
+    shared = shared or ARGV[i + 11] == 'pending'
     out[#out + 1] = 1
     out[#out + 1] = member
     out[#out + 1] = ''
   end
 end
+if shared then kick_() end
 return out
-"""
+""")
 SUBMIT_ITEM_ARGS = 12
 SUBMIT_REPLY_ITEMS = 3
 
 # What both pops share. KEYS: queue zset, inflight zset.
-# ARGV: prefix, replica, lease expiry, now, pop token, then each pop's own.
-# A pop that ran before (same token) returns what it took then.
+# ARGV: prefix, replica, lease expiry, now, pop token, max_requests,
+#       max_prompt_tokens (-1: no limit), then each pop's own.
+# A pop leases each request it takes: the caller becomes the back router; the
+# request's assignment ordinal (`ao`, one counter for all routers) and Redis
+# time (`pat`) record the global order of assignment (SUBMIT records `sat`,
+# when it was stored), and its other fronts hear that it left the queue ('a').
+# A pop that ran before (same token) takes nothing more and returns what it
+# took then (`again`: the pop's own body is skipped).
+# take_from_head(n, budget): up to n from the head while token credit is left
+# (budget; -1: no limit) (head-of-line: queue order holds). The last request
+# taken may overrun the credit: a replica grants tokens for the prefill it can
+# start soon, and a prompt longer than that must still start on a replica with
+# room. cost_ = prompt + output so far (recomputed). Members whose request left
+# the queue are dropped.
+# -> 5 per request: id, assignment count, requeues, output tokens so far, and
+#    its whole record (record_) when the caller is not one of its fronts (it
+#    may not hold it: lazy adoption), else ''.
 _POP_PRELUDE = """
 local prefix, replica = ARGV[1], ARGV[2]
 local done = prefix .. 'pop:' .. ARGV[5]
-if redis.call('EXISTS', done) == 1 then return redis.call('LRANGE', done, 0, -1) end
+local again = redis.call('EXISTS', done) == 1
 local taken = {}
+if again then taken = redis.call('LRANGE', done, 0, -1) end
 local function lease(h, id, member)
   redis.call('ZREM', KEYS[1], member)
   redis.call('ZADD', KEYS[2], ARGV[3], id)
-  redis.call('HSET', h, 'st', 'r', 'o', replica, 'q', '', 'asg', ARGV[4])
-  redis.call('HINCRBY', h, 'n', 1)
+  redis.call('HSET', h, 'st', 'r', 'o', replica, 'q', '', 'asg', ARGV[4], 'br', router_,
+    'ao', redis.call('INCR', prefix .. 'ao'), 'pat', now_)
+  local count = redis.call('HINCRBY', h, 'n', 1)
+  tell_fronts_(h, 'k', 'a', 'id', id, 'n', count)
   taken[#taken + 1] = id
 end
-local function recorded()
-  if #taken > 0 then
+local function cost_(h, id)
+  return tonumber(redis.call('HGET', h, 'pl'))
+    + math.floor(redis.call('STRLEN', prefix .. 'out:' .. id) / 4)
+end
+local function take_from_head(n, budget)
+  local limited = budget >= 0
+  if n <= 0 then return end
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, n - 1)) do
+    local id = string.sub(m, 30)
+    local h = prefix .. 'req:' .. id
+    if redis.call('HGET', h, 'st') ~= 'q' then
+      redis.call('ZREM', KEYS[1], m)
+    else
+      if limited and budget <= 0 then break end
+      budget = budget - cost_(h, id)
+      lease(h, id, m)
+    end
+  end
+end
+local function reply()
+  if #taken > 0 and not again then
     redis.call('RPUSH', done, unpack(taken))
     redis.call('EXPIRE', done, 300)
   end
-  return taken
-end
-"""
-
-# Atomic peek-check-pop. ARGV after the prelude's: max_requests,
-# max_prompt_tokens (-1: no limit).
-# Takes from the head while token credit is left (head-of-line: arrival order
-# holds). The last request taken may overrun the credit: a replica grants tokens
-# for the prefill it can start soon, and a prompt longer than that must still
-# start on a replica with room. Cost = prompt + output so far (recomputed).
-POP = _POP_PRELUDE + """
-local n, budget = tonumber(ARGV[6]), tonumber(ARGV[7])
-local limited = budget >= 0
-if n <= 0 then return taken end
-local heads = redis.call('ZRANGE', KEYS[1], 0, n - 1)
-for _, m in ipairs(heads) do
-  local id = string.sub(m, 30)
-  local h = prefix .. 'req:' .. id
-  if redis.call('HGET', h, 'st') ~= 'q' then
-    redis.call('ZREM', KEYS[1], m)
-  else
-    if limited and budget <= 0 then break end
-    local cost = tonumber(redis.call('HGET', h, 'pl'))
-      + math.floor(redis.call('STRLEN', prefix .. 'out:' .. id) / 4)
-    budget = budget - cost
-    lease(h, id, m)
+  local out = {}
+  for _, id in ipairs(taken) do
+    local h = prefix .. 'req:' .. id
+    local count, rq = unpack(redis.call('HMGET', h, 'n', 'rq'))
+    local mine = false
+    for _, r in ipairs(fronts_(h)) do mine = mine or r == router_ end
+    out[#out + 1] = id
+    out[#out + 1] = count or '0'
+    out[#out + 1] = rq or '0'
+    out[#out + 1] = math.floor(redis.call('STRLEN', prefix .. 'out:' .. id) / 4)
+    if mine then out[#out + 1] = '' else out[#out + 1] = record_(id) end
   end
+  return out
 end
-return recorded()
 """
+POP_REPLY_ITEMS = 5
+
+# Atomic peek-check-pop: take_from_head, nothing else.
+POP = fenced(_POP_PRELUDE + """
+if not again then take_from_head(tonumber(ARGV[6]), tonumber(ARGV[7])) end
+return reply()
+""")
 
 # Named pop: the requests a policy chose (pull affinity), those still queued in
-# that queue, leased as POP does, in the order given. ARGV after the prelude's:
-# queue name, then the ids. Credit is the router's to check (it chose within it).
-POP_IDS = _POP_PRELUDE + """
-local qname = ARGV[6]
-for i = 7, #ARGV do
-  local id = ARGV[i]
-  local h = prefix .. 'req:' .. id
-  local st, q, m = unpack(redis.call('HMGET', h, 'st', 'q', 'm'))
-  if st == 'q' and q == qname then lease(h, id, m) end
+# that queue, leased as POP does, in the order given. Credit is the router's to
+# check (it chose within it). ARGV after the prelude's: queue name, k, the k
+# oldest requests of that queue the router holds (k = picks + 1: enough to
+# know whether the queue's first request is one of them after each pick), then
+# the picks. The router chooses only among the requests it holds: a pick is
+# taken only while the queue's first request is one of them. Once another
+# leads (an older request of another router, which the caller cannot see, or
+# one popped elsewhere meanwhile), the seats and credit left are taken from
+# the head as POP does. So another router's request is passed over only by a
+# pick made ahead of the caller's own older requests (for its cache); with
+# every pick in the caller's queue order this takes what POP would.
+POP_IDS = fenced(_POP_PRELUDE + """
+local qname, k = ARGV[8], tonumber(ARGV[9])
+local function first_queued()
+  while true do
+    local m = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+    if not m then return nil end
+    local id = string.sub(m, 30)
+    if redis.call('HGET', prefix .. 'req:' .. id, 'st') == 'q' then return id end
+    redis.call('ZREM', KEYS[1], m)
+  end
 end
-return recorded()
-"""
+if not again then
+  local held = {}
+  for i = 10, 9 + k do held[ARGV[i]] = true end
+  local n, budget = tonumber(ARGV[6]), tonumber(ARGV[7])
+  local i = 10 + k
+  while true do
+    local first = first_queued()
+    if first and not held[first] then
+      take_from_head(n - #taken, budget)
+      break
+    end
+    if i > #ARGV then break end
+    local id = ARGV[i]
+    local h = prefix .. 'req:' .. id
+    local st, q, m = unpack(redis.call('HMGET', h, 'st', 'q', 'm'))
+    if st == 'q' and q == qname then
+      if budget >= 0 then budget = math.max(0, budget - cost_(h, id)) end
+      lease(h, id, m)
+    end
+    i = i + 1
+  end
+end
+return reply()
+""")
 
 # Back to the FRONT of a queue: same score and member as at arrival.
 # ARGV: prefix, then 5 per request: id, queue name, expected owner,
 #       expected assignment count, requeues so far.
-REQUEUE = """
+# Only the back router requeues (a request adopted by another router meanwhile
+# stays where it runs).
+REQUEUE = fenced("""
 local prefix = ARGV[1]
+local shared = false
 for i = 2, #ARGV, 5 do
   local id, qname = ARGV[i], ARGV[i + 1]
   local h = prefix .. 'req:' .. id
-  local st, owner, n = unpack(redis.call('HMGET', h, 'st', 'o', 'n'))
-  if st == 'r' and owner == ARGV[i + 2] and n == ARGV[i + 3] then
+  local st, owner, n, br = unpack(redis.call('HMGET', h, 'st', 'o', 'n', 'br'))
+  if st == 'r' and owner == ARGV[i + 2] and n == ARGV[i + 3] and (br or '') == router_ then
     redis.call('ZREM', prefix .. 'inflight', id)
     redis.call('ZADD', prefix .. 'q:' .. qname, -tonumber(redis.call('HGET', h, 'pr')),
       redis.call('HGET', h, 'm'))
-    redis.call('HSET', h, 'st', 'q', 'o', '', 'q', qname, 'rq', ARGV[i + 4])
+    redis.call('HSET', h, 'st', 'q', 'o', '', 'br', '', 'q', qname, 'rq', ARGV[i + 4])
+    shared = shared or qname == 'pending'
   end
 end
+if shared then kick_() end
 return 1
-"""
+""")
 REQUEUE_ITEM_ARGS = 5
 
-# Moves queued requests between queues (a gone replica's set is redistributed;
-# recovery gathers everything into the shared queue).
+# Moves queued requests between queues (a gone replica's set is redistributed).
 # ARGV: prefix, then 3 per request: id, source queue ('' = wherever it is), destination.
-MOVE = """
+MOVE = fenced("""
 local prefix = ARGV[1]
+local shared = false
 for i = 2, #ARGV, 3 do
   local id, src, dst = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local h = prefix .. 'req:' .. id
@@ -154,27 +239,34 @@ for i = 2, #ARGV, 3 do
     redis.call('ZREM', prefix .. 'q:' .. q, m)
     redis.call('ZADD', prefix .. 'q:' .. dst, -tonumber(redis.call('HGET', h, 'pr')), m)
     redis.call('HSET', h, 'q', dst)
+    shared = shared or dst == 'pending'
   end
 end
+if shared then kick_() end
 return 1
-"""
+""")
 MOVE_ITEM_ARGS = 3
 
 # Everything one flush of StepOutputs (from any replicas) records.
-# ARGV: prefix, ttl seconds, then 16 per delta:
+# ARGV: prefix, ttl seconds, then 17 per delta:
 #   id, token byte offset, packed tokens, text byte offset, text, ft, fs,
 #   finished (1/0), fr, err, rep, fin, pre, logprob byte offset, packed logprobs,
-#   cached tokens
-# ('' = nothing to write for that field). A finish also stamps ft/fs, leaves
-# the inflight and live sets and starts the result TTL on its keys. Output of
-# a request finished meanwhile (a cancel) gets the TTL too; a request whose
-# record is gone (expired) is skipped, so no key without a TTL is made.
-STEP = """
+#   cached tokens, expected assignment count
+# ('' = nothing to write for that field). A delta is written only while the
+# request runs under that assignment with the caller as its back router;
+# otherwise (requeued, adopted elsewhere, cancelled, expired) it is dropped.
+# A finish also stamps ft/fs, leaves the inflight and live sets and starts the
+# result TTL on its keys. The request's other fronts get each delta ('d'),
+# then its finish.
+# -> 1 per delta: 1 written, 0 dropped.
+STEP = fenced(FINISH_EVENT + """
 local prefix, ttl = ARGV[1], tonumber(ARGV[2])
-for i = 3, #ARGV, 16 do
+local written = {}
+for i = 3, #ARGV, 17 do
   local id = ARGV[i]
   local h = prefix .. 'req:' .. id
-  if redis.call('EXISTS', h) == 1 then
+  local st, n, br = unpack(redis.call('HMGET', h, 'st', 'n', 'br'))
+  if st == 'r' and n == ARGV[i + 16] and (br or '') == router_ then
     local o, t, l = prefix .. 'out:' .. id, prefix .. 'txt:' .. id, prefix .. 'lp:' .. id
     if ARGV[i + 2] ~= '' then redis.call('SETRANGE', o, tonumber(ARGV[i + 1]), ARGV[i + 2]) end
     if ARGV[i + 4] ~= '' then redis.call('SETRANGE', t, tonumber(ARGV[i + 3]), ARGV[i + 4]) end
@@ -182,70 +274,99 @@ for i = 3, #ARGV, 16 do
     if ARGV[i + 5] ~= '' then redis.call('HSET', h, 'ft', ARGV[i + 5]) end
     if ARGV[i + 6] ~= '' then redis.call('HSET', h, 'fs', ARGV[i + 6]) end
     if ARGV[i + 15] ~= '' then redis.call('HSET', h, 'ct', ARGV[i + 15]) end
+    if ARGV[i + 2] ~= '' or ARGV[i + 4] ~= '' then
+      tell_fronts_(h, 'k', 'd', 'id', id, 'n', n, 'o', ARGV[i + 1], 't', ARGV[i + 2],
+        'xo', ARGV[i + 3], 'x', ARGV[i + 4], 'lo', ARGV[i + 13], 'l', ARGV[i + 14],
+        'ft', ARGV[i + 5], 'fs', ARGV[i + 6], 'ct', ARGV[i + 15])
+    end
     if ARGV[i + 7] == '1' then
       redis.call('HSET', h, 'fr', ARGV[i + 8], 'err', ARGV[i + 9], 'rep', ARGV[i + 10],
-        'fin', ARGV[i + 11], 'pre', ARGV[i + 12], 'st', 'f', 'q', '', 'o', '')
+        'fin', ARGV[i + 11], 'pre', ARGV[i + 12], 'st', 'f', 'q', '', 'o', '', 'br', '')
       redis.call('ZREM', prefix .. 'inflight', id)
       redis.call('SREM', prefix .. 'live', id)
-    end
-    if ARGV[i + 7] == '1' or redis.call('HGET', h, 'st') == 'f' then
       redis.call('EXPIRE', h, ttl)
       redis.call('EXPIRE', o, ttl)
       redis.call('EXPIRE', t, ttl)
       redis.call('EXPIRE', l, ttl)
+      finish_event_(h, id)
     end
+    written[#written + 1] = 1
+  else
+    written[#written + 1] = 0
   end
 end
-return 1
-"""
-STEP_ITEM_ARGS = 16
+return written
+""")
+STEP_ITEM_ARGS = 17
 
 # Ends requests that did not finish through a step (cancel, errors, requeue
-# limit), queued or running. ARGV: prefix, ttl seconds, then 2 + 2k per request:
-#   id, k, then k field/value pairs for the hash.
-FINISH = """
+# limit), queued or running; a finished one is left as it is. A request
+# running on another router's replica is cancelled there ('c' to its back
+# router); the other fronts get the finish.
+# ARGV: prefix, ttl seconds, then 2 + 2k per request: id, k, then k
+# field/value pairs for the hash.
+FINISH = fenced(FINISH_EVENT + """
 local prefix, ttl = ARGV[1], tonumber(ARGV[2])
 local i = 3
 while i <= #ARGV do
   local id, k = ARGV[i], tonumber(ARGV[i + 1])
   local h = prefix .. 'req:' .. id
-  if redis.call('EXISTS', h) == 1 then
-    local st, q, m = unpack(redis.call('HMGET', h, 'st', 'q', 'm'))
+  local st, q, m, br = unpack(redis.call('HMGET', h, 'st', 'q', 'm', 'br'))
+  if st and st ~= 'f' then
     if st == 'q' then redis.call('ZREM', prefix .. 'q:' .. q, m) end
+    if st == 'r' and br and br ~= router_ and live_(br) then emit_(br, 'k', 'c', 'id', id) end
     for j = 1, k do
       redis.call('HSET', h, ARGV[i + 2 * j], ARGV[i + 1 + 2 * j])
     end
-    redis.call('HSET', h, 'st', 'f', 'q', '', 'o', '')
+    redis.call('HSET', h, 'st', 'f', 'q', '', 'o', '', 'br', '')
     redis.call('ZREM', prefix .. 'inflight', id)
     redis.call('SREM', prefix .. 'live', id)
     redis.call('EXPIRE', h, ttl)
     redis.call('EXPIRE', prefix .. 'out:' .. id, ttl)
     redis.call('EXPIRE', prefix .. 'txt:' .. id, ttl)
     redis.call('EXPIRE', prefix .. 'lp:' .. id, ttl)
+    finish_event_(h, id)
   end
   i = i + 2 + 2 * k
 end
 return 1
-"""
+""")
 
 # Removes a request whose submit timed out at the router (its client was told
 # UNAVAILABLE), if it is still the one that submit stored, so a retry with the
-# same request_id starts it afresh. A pop may have taken it meanwhile (in the
-# same flush as its submit); no replica was sent it, so it goes all the same.
+# same request_id starts it afresh. A pop may have taken it meanwhile; a
+# replica of another router that was sent it is cancelled ('c').
 # ARGV: prefix, then 2 per request: id, submit token.
-ABANDON = """
+ABANDON = fenced("""
 local prefix = ARGV[1]
 for i = 2, #ARGV, 2 do
   local id = ARGV[i]
   local h = prefix .. 'req:' .. id
-  local st, tok, q, m = unpack(redis.call('HMGET', h, 'st', 'tok', 'q', 'm'))
+  local st, tok, q, m, br = unpack(redis.call('HMGET', h, 'st', 'tok', 'q', 'm', 'br'))
   if st and st ~= 'f' and tok == ARGV[i + 1] then
     if st == 'q' then redis.call('ZREM', prefix .. 'q:' .. q, m) end
+    if st == 'r' and br and br ~= router_ and live_(br) then emit_(br, 'k', 'c', 'id', id) end
     redis.call('ZREM', prefix .. 'inflight', id)
     redis.call('DEL', h, prefix .. 'out:' .. id, prefix .. 'txt:' .. id, prefix .. 'lp:' .. id)
     redis.call('SREM', prefix .. 'live', id)
   end
 end
 return 1
-"""
+""")
 ABANDON_ITEM_ARGS = 2
+
+# Sets in-flight leases: XX renews only what is still in flight (a live
+# replica's requests).
+# ARGV: prefix, 'XX' or '', then (id, expiry) pairs.
+LEASES = fenced("""
+local key = ARGV[1] .. 'inflight'
+for i = 3, #ARGV, 2 do
+  if ARGV[2] == 'XX' then
+    redis.call('ZADD', key, 'XX', ARGV[i + 1], ARGV[i])
+  else
+    redis.call('ZADD', key, ARGV[i + 1], ARGV[i])
+  end
+end
+return 1
+""")
+LEASES_ITEM_ARGS = 2

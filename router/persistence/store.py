@@ -13,13 +13,21 @@ Keys (prefix P, default "quadriga:"):
                         score = -priority, member = arrival_us(16) seq(12) ":" id,
                         so equal priorities pop in arrival order
   P inflight     zset   running request ids, score = lease expiry (unix s)
-  P live         set    every unfinished request id (what recovery reads)
+  P live         set    every unfinished request id
   P seq          counter (INCR) breaking arrival ties
   P pop:<token>  list   what one pop took, for 300 s (a retried pop returns it again)
+  P routers      zset   live routers, score = lease expiry (Redis TIME, unix s)
+  P router:<id>  hash   epoch (fences a router's writes, lua_common.FENCE), started
+  P epoch        counter (INCR) a router's epoch at registration
+  P ev:<id>      stream events for router <id> (router/events.py), MAXLEN ~100000
+  P ao           counter (INCR) assignment ordinal: the global order of pops
+A request hash also holds fe (its front routers, space-separated), br (its back
+router while running), ao (its last assignment's ordinal), and the Redis
+times it was stored (sat) and last popped (pat).
 Finished requests keep req/out/txt for result_ttl seconds.
 
 Every write is built here as a `Write` and goes through the RedisWriter
-(writer.py), in order; reads (recovery, re-attach to a finished request) use
+(writer.py), in order; reads (a reload, a popped request's output) use
 redis-py with the same deadline.
 """
 
@@ -29,13 +37,14 @@ import array
 import math
 import struct
 import sys
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from router.persistence import lua
+from router.persistence import lua, lua_routers
 from router.persistence.resp import LeanRedis
 from router.persistence.writer import Write
 
@@ -109,6 +118,15 @@ class Store:
         self._move = self.lean.script(lua.MOVE)
         self._finish = self.lean.script(lua.FINISH)
         self._abandon = self.lean.script(lua.ABANDON)
+        self._leases = self.lean.script(lua.LEASES)
+        self._renew_router = self.lean.script(lua_routers.RENEW_ROUTER)
+        self._sweep_routers = self.lean.script(lua_routers.SWEEP_ROUTERS)
+        self._sweep_inflight = self.lean.script(lua_routers.SWEEP_INFLIGHT)
+        self._attach = self.lean.script(lua_routers.ATTACH)
+        self._adopt = self.lean.script(lua_routers.ADOPT)
+        self._replica_left = self.lean.script(lua_routers.REPLICA_LEFT)
+        self._register_router = self.redis.register_script(lua_routers.REGISTER_ROUTER)
+        self._leave_router = self.redis.register_script(lua_routers.LEAVE_ROUTER)
 
     # ---- keys ----
     def req_key(self, rid: str) -> str:
@@ -125,6 +143,9 @@ class Store:
 
     def queue_key(self, name: str) -> str:
         return f"{self.prefix}q:{name}"
+
+    def events_key(self, router_id: str) -> str:
+        return f"{self.prefix}ev:{router_id}"
 
     @property
     def inflight_key(self) -> str:
@@ -152,22 +173,45 @@ class Store:
 
     def pop(self, queue: str, replica: str, max_requests: int, max_prompt_tokens: int | None,
             lease_expiry: float, now: float, token: str) -> Write:
-        """Takes from the head while token credit is left (None: no token limit)."""
-        tokens = -1 if max_prompt_tokens is None else max(0, max_prompt_tokens)
-        return Write(self._pop, (self.queue_key(queue), self.inflight_key, self.prefix, replica,
-                                 repr(lease_expiry), repr(now), token, max_requests, tokens),
+        """Takes from the head while token credit is left (None: no token limit).
+        Reply: lua.POP's flat list; `popped` reads it."""
+        return Write(self._pop, self._pop_args(queue, replica, max_requests, max_prompt_tokens,
+                                               lease_expiry, now, token),
                      reply_arity=-1, numkeys=2)
 
-    def pop_ids(self, queue: str, replica: str, ids: list[str], lease_expiry: float, now: float,
-                token: str) -> Write:
-        """Takes these requests, those still queued in `queue`, in this order."""
-        return Write(self._pop_ids, (self.queue_key(queue), self.inflight_key, self.prefix, replica,
-                                     repr(lease_expiry), repr(now), token, queue, *ids),
+    def pop_ids(self, queue: str, replica: str, max_requests: int, max_prompt_tokens: int | None,
+                lease_expiry: float, now: float, token: str, held: list[str],
+                ids: list[str]) -> Write:
+        """Takes these requests, those still queued in `queue`, in this order, while
+        the queue's first request is one of `held` (the oldest this router holds
+        there, len(ids) + 1 of them); then the rest from the head as `pop` does.
+        Reply: as `pop`'s."""
+        return Write(self._pop_ids, self._pop_args(queue, replica, max_requests, max_prompt_tokens,
+                                                   lease_expiry, now, token)
+                     + (queue, len(held), *held, *ids),
                      reply_arity=-1, numkeys=2)
+
+    def _pop_args(self, queue, replica, max_requests, max_prompt_tokens, lease_expiry, now,
+                  token) -> tuple:
+        """lua._POP_PRELUDE's keys and arguments."""
+        tokens = -1 if max_prompt_tokens is None else max(0, max_prompt_tokens)
+        return (self.queue_key(queue), self.inflight_key, self.prefix, replica,
+                repr(lease_expiry), repr(now), token, max_requests, tokens)
+
+    @staticmethod
+    def popped(reply) -> list["Popped"]:
+        out = []
+        for i in range(0, len(reply), lua.POP_REPLY_ITEMS):
+            rid, n, rq, out_len, rec = reply[i:i + lua.POP_REPLY_ITEMS]
+            rid = rid.decode()
+            out.append(Popped(rid, int(n), int(rq), int(out_len),
+                              record_from_flat(rid, rec) if rec else None))
+        return out
 
     def step(self, items: list) -> Write:
-        """items: 16 per delta (lua.STEP)."""
-        return Write(self._step, (self.prefix, self.ttl), items, item_args=lua.STEP_ITEM_ARGS)
+        """items: 17 per delta (lua.STEP); reply: per delta 1 written, 0 dropped."""
+        return Write(self._step, (self.prefix, self.ttl), items, item_args=lua.STEP_ITEM_ARGS,
+                     reply_arity=1)
 
     def requeue(self, items: list) -> Write:
         """items: (id, queue, expected owner, expected assignment count, requeues) flattened."""
@@ -186,24 +230,57 @@ class Store:
     def abandon(self, rid: str, token: str) -> Write:
         return Write(self._abandon, (self.prefix,), (rid, token), item_args=lua.ABANDON_ITEM_ARGS)
 
-    def renew_leases(self, leases: dict[str, float]) -> Write:
-        args = ["ZADD", self.inflight_key, "XX"]
+    def _lease_write(self, leases: dict[str, float], mode: str) -> Write:
+        items = []
         for rid, expiry in leases.items():
-            args += [repr(expiry), rid]
-        return Write(None, (), args, reply_arity=-1)
+            items += [rid, repr(expiry)]
+        return Write(self._leases, (self.prefix, mode), items, item_args=lua.LEASES_ITEM_ARGS)
 
-    def ensure_leases(self, leases: dict[str, float]) -> Write:
-        """Recovery: every running request is in the inflight set with this lease."""
-        args = ["ZADD", self.inflight_key]
-        for rid, expiry in leases.items():
-            args += [repr(expiry), rid]
-        return Write(None, (), args, reply_arity=-1)
+    def renew_leases(self, leases: dict[str, float]) -> Write:
+        return self._lease_write(leases, "XX")
+
+    # ---- routers' liveness (lua.FENCE) ----
+    async def register_router(self, router_id: str, ttl: float) -> str:
+        """A fresh epoch and lease for this router; the epoch, as the writer sends it."""
+        epoch = await self._register_router(args=[self.prefix, router_id, repr(ttl)])
+        return str(int(epoch))
+
+    async def leave_router(self, router_id: str) -> None:
+        await self._leave_router(args=[self.prefix, router_id])
+
+    def renew_router(self, ttl: float, replicas: int) -> Write:
+        """Reply: how many replicas the other live routers have."""
+        return Write(self._renew_router, (self.prefix, repr(ttl), replicas), reply_arity=-1)
+
+    def sweep_routers(self) -> Write:
+        return Write(self._sweep_routers, (self.prefix,), reply_arity=-1)
+
+    def sweep_inflight(self, grace: float, limit: int = 500) -> Write:
+        return Write(self._sweep_inflight, (self.prefix, repr(grace), limit), reply_arity=-1)
+
+    def attach(self, rid: str, digest: str) -> Write:
+        """Reply: the record (record_from_flat it) or b''."""
+        return Write(self._attach, (self.prefix, rid, digest), reply_arity=-1)
+
+    def adopt(self, replica: str, lease_expiry: float, ids: list[str]) -> Write:
+        """Reply: per id its flat record, or b'' when not kept."""
+        return Write(self._adopt, (self.prefix, replica, repr(lease_expiry), *ids), reply_arity=-1)
+
+    def replica_left(self, replica: str) -> Write:
+        return Write(self._replica_left, (self.prefix, replica), reply_arity=-1)
+
+    # ---- events (router/events.py) ----
+    async def read_events(self, router_id: str, after: str, block_ms: int, count: int):
+        """Events after `after` on this router's stream: [(id, {field: value})]."""
+        reply = await self.redis.xread({self.events_key(router_id): after}, count=count,
+                                       block=block_ms)
+        return reply[0][1] if reply else []
 
     @staticmethod
     def barrier(on_done) -> Write:
         return Write(None, on_done=on_done)
 
-    # ---- reads (recovery and re-attach after a finish) ----
+    # ---- reads ----
     async def load_requests(self, ids: list[str]) -> list[dict | None]:
         out: list[dict | None] = []
         for start in range(0, len(ids), 500):
@@ -217,36 +294,37 @@ class Store:
             res = await pipe.execute()
             for i, rid in enumerate(chunk):
                 h, toks, txt, lp = res[4 * i:4 * i + 4]
-                if not h:
-                    out.append(None)
-                    continue
-                rec = {k.decode(): v for k, v in h.items()}
-                rec["id"] = rid
-                rec["tokens"] = unpack_tokens(toks)
-                rec["text"] = txt or b""
-                rec["logprobs"] = lp or b""
-                out.append(rec)
+                out.append(_record(rid, {k.decode(): v for k, v in h.items()}, toks, txt, lp)
+                           if h else None)
         return out
 
     async def live_ids(self) -> list[str]:
         return sorted(m.decode() for m in await self.redis.smembers(self.live_key))
 
-    async def stray_members(self) -> tuple[list[tuple[str, str]], list[str]]:
-        """Queue members and in-flight ids whose request is not live (recovery cleans them)."""
-        live = set(await self.live_ids())
-        queued = []
-        async for key in self.redis.scan_iter(match=self.queue_key("*"), count=500):
-            for member in await self.redis.zrange(key, 0, -1):
-                if member.decode()[29:] not in live:
-                    queued.append((key.decode(), member.decode()))
-        inflight = [m.decode() for m in await self.redis.zrange(self.inflight_key, 0, -1)
-                    if m.decode() not in live]
-        return queued, inflight
 
-    async def remove_strays(self, queued: list[tuple[str, str]], inflight: list[str]) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        for key, member in queued:
-            pipe.zrem(key, member)
-        if inflight:
-            pipe.zrem(self.inflight_key, *inflight)
-        await pipe.execute()
+@dataclass(frozen=True)
+class Popped:
+    """One request a pop took: its assignment count and requeues as Redis has
+    them, its output length there, and its record when the caller is not its front."""
+    id: str
+    assignments: int
+    requeues: int
+    output_len: int
+    record: dict | None
+
+
+def _record(rid: str, fields: dict, toks, txt, lp) -> dict:
+    rec = dict(fields)
+    rec["id"] = rid
+    rec["tokens"] = unpack_tokens(toks)
+    rec["text"] = txt or b""
+    rec["logprobs"] = lp or b""
+    return rec
+
+
+def record_from_flat(rid: str, flat) -> dict | None:
+    """A record as lua_common.record_ returns it, in load_requests' shape."""
+    if not flat:
+        return None
+    fields = {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
+    return _record(rid, fields, fields.pop("_out"), fields.pop("_txt"), fields.pop("_lp"))

@@ -18,6 +18,9 @@ Failure model:
 - `stalled` is set while a batch has waited longer than `stall_after`; the
   router then serves clients from memory (the replicas keep every delta the
   router has not acknowledged, so nothing shown is lost if the router dies).
+- every script call carries the router's fence (id, epoch; lua.FENCE). A
+  FENCED reply means this router has lost its lease: the writer stops, fails
+  what is pending, and calls on_fenced; the router then starts over.
 
 Each write's `on_done` runs once it is durable, in write order.
 """
@@ -73,6 +76,9 @@ class RedisWriter:
         self.max_batch = max_batch
         self.on_stall = on_stall
         self.round_trips = 0
+        self.fence: tuple[str, str] = ("", "")     # (router id, epoch); unfenced until set
+        self.fenced = False
+        self.on_fenced: Callable[[str], None] = lambda reason: None
         self.failing_since: float | None = None   # monotonic time of the first failed attempt
         self.stalled = False
         self._pending: collections.deque[Write] = collections.deque()
@@ -88,7 +94,12 @@ class RedisWriter:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="redis-writer")
 
     def post(self, write: Write) -> Write:
-        """Queues a write; its on_done runs once it is durable."""
+        """Queues a write; its on_done runs once it is durable. Once fenced, a
+        write fails at once (its future; on_done never runs)."""
+        if self.fenced:
+            if write.future is not None and not write.future.done():
+                write.future.set_exception(PermanentWriteError("this router was fenced"))
+            return write
         self._pending.append(write)
         if write.bounded:
             self._pending_submits += 1
@@ -132,7 +143,7 @@ class RedisWriter:
     # ---- the flush loop ----
     async def _run(self) -> None:
         backoff = 0.05
-        while True:
+        while not self.fenced:
             if not self._pending:
                 self._idle.set()
                 self._wake.clear()
@@ -145,6 +156,12 @@ class RedisWriter:
                 replies = await self._send(batch)
             except asyncio.CancelledError:
                 raise
+            except _Fenced as exc:
+                self._fail_all(PermanentWriteError(str(exc)))
+                self.fenced = True
+                log.error("%s: this router writes no more and starts over", exc)
+                self.on_fenced(str(exc))
+                return
             except Exception as exc:  # connection, deadline, a transient reply: never fatal here
                 if self.failing_since is None:
                     self.failing_since = started
@@ -187,10 +204,12 @@ class RedisWriter:
             if first.script is None:
                 wire.append(tuple(items))
             else:
-                wire.append(first.script.command([*first.header, *items], first.numkeys))
+                wire.append(first.script.command([*first.header, *items, *self.fence], first.numkeys))
         self.round_trips += 1
         replies = await self.client.execute_many(wire) if wire else []
         for reply in replies:
+            if isinstance(reply, ReplyError) and str(reply).startswith("FENCED"):
+                raise _Fenced(str(reply))
             if isinstance(reply, ReplyError) and str(reply).startswith(TRANSIENT_REPLIES):
                 raise _TransientReply(str(reply))
         out = []
@@ -205,6 +224,14 @@ class RedisWriter:
                 reply = reply[first_item * w.reply_arity:(first_item + n) * w.reply_arity]
             out.append(reply)
         return out
+
+    def _fail_all(self, error: Exception) -> None:
+        while self._pending:
+            w = self._pending.popleft()
+            if w.future is not None and not w.future.done():
+                w.future.set_exception(error)
+        self._pending_submits = 0
+        self._idle.set()
 
     def _complete(self, batch: list[Write], replies: list) -> None:
         for w, reply in zip(batch, replies):
@@ -247,4 +274,8 @@ class RedisWriter:
 
 
 class _TransientReply(Exception):
+    pass
+
+
+class _Fenced(Exception):
     pass

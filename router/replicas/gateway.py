@@ -20,6 +20,7 @@ from common.block_hash import BlockHasher
 from common.pb.quadriga.v1 import replica_pb2 as rpb
 from common.pb.quadriga.v1 import replica_pb2_grpc
 from router.malformed import MalformedMessage, check_message
+from router.persistence.writer import PermanentWriteError
 from router.prefix.index import HasherMismatch
 from router.replicas.ops import ReplicaFault
 from router.replicas.registry import ReplicaSession
@@ -90,7 +91,11 @@ class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
         reg = await self._register(it, context)
         hasher = await self._prefix_hasher(reg, context)
         session = ReplicaSession(reg.replica_id, reg, self.metrics, hasher)
-        keep = self.ops.join(session, list(reg.held_request_ids), reg.prefix_cache.block_hashes)
+        try:
+            keep = await self.ops.join(session, list(reg.held_request_ids),
+                                       reg.prefix_cache.block_hashes)
+        except PermanentWriteError as exc:  # fenced: this router is starting over
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the router cannot take replicas: {exc}")
         log.info("replica %s joined (model %s, keeps %d)", session.id, reg.model, len(keep))
         session.send(rpb.RouterMessage(registered=rpb.Registered(
             heartbeat_interval_s=self.config.heartbeat_interval, lease_ttl_s=self.config.lease_ttl,

@@ -14,6 +14,11 @@ The router's view of the replica's prefix cache (router/prefix/index.py)
 follows the same rule: replaced by the snapshot of every Register, kept
 while a broken stream may still come back within a lease, dropped at once
 when the replica was dropped.
+
+A replica may register with any router; requests it holds that another
+router ran (that router died, or the replica moved on after a break) are
+adopted at Register (lua_routers.ADOPT): this router becomes their back
+router and they run on, nothing recomputed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import logging
 import time
 
 from common.pb.quadriga.v1 import generation_pb2 as gpb
+from router.persistence.store import record_from_flat
 from router.requests.request import Phase
 
 log = logging.getLogger(__name__)
@@ -33,13 +39,15 @@ class ReplicaFault(Exception):
 
 class ReplicaOps:
     def __init__(self, table, scheduler, registry, metrics, vocab_size: int, lease_ttl: float,
-                 prefix_index):
+                 store, writer, prefix_index):
         self.table = table
         self.scheduler = scheduler
         self.registry = registry
         self.metrics = metrics
         self.vocab_size = vocab_size
         self.lease_ttl = lease_ttl
+        self.store = store
+        self.writer = writer
         self.prefix_index = prefix_index
 
     # ---- membership ----
@@ -47,8 +55,13 @@ class ReplicaOps:
         """Raises HasherMismatch unless the replica addresses blocks as the others do."""
         self.prefix_index.check_hasher(replica_id, hasher)
 
-    def join(self, session, held: list[str], cached_hashes=()) -> list[str]:
-        """Registers the session; returns the held requests it keeps running."""
+    async def join(self, session, held: list[str], cached_hashes=()) -> list[str]:
+        """Registers the session; returns the held requests it keeps running.
+        Raises PermanentWriteError when Redis refuses (this router is fenced)."""
+        mine = {r.id for r in self.table.owned_by(session.id)}
+        foreign = [rid for rid in dict.fromkeys(held) if rid not in mine]
+        records = await self.writer.call(self.store.adopt(session.id, time.time() + self.lease_ttl,
+                                                          foreign))
         old = self.registry.add(session)
         if old is not None:
             old.close(None)
@@ -59,7 +72,14 @@ class ReplicaOps:
             self.prefix_index.drop(session.id)
         held_set = set(held)
         keep = []
+        for rid, flat in zip(foreign, records):
+            rec = record_from_flat(rid, flat)
+            if rec is not None and self.table.take_over(rec, session.id) is not None:
+                session.rebound.add(rid)
+                keep.append(rid)
         for req in self.table.owned_by(session.id):
+            if req.id in keep:
+                continue
             if req.id in held_set:
                 self.table.adopt(req, session.id)
                 session.rebound.add(req.id)
@@ -77,6 +97,7 @@ class ReplicaOps:
         if not self.registry.remove(session):
             return  # replaced by a newer session of the same replica
         self.scheduler.detach(session)
+        self.writer.post(self.store.replica_left(session.id))
         if requeue_now:
             self.prefix_index.drop(session.id)
         else:

@@ -10,7 +10,8 @@ Output has three marks, each a prefix of the next:
 given output up to `visible_tokens`/`visible_parts`: what Redis holds, or,
 while Redis stalls, what arrived (the replica keeps every delta the router
 has not acknowledged, so what was shown is never lost with the router).
-The finish is shown likewise, once durable or while stalled.
+The finish is shown likewise, once durable or while stalled. Output of a
+REMOTE request arrives from Redis (events.py), so it is durable and shown at once.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Phase(enum.Enum):
     QUEUED = "queued"        # in a queue (memory first; Redis follows in order)
     RUNNING = "running"      # assigned to a replica whose stream is up
     DETACHED = "detached"    # its replica's stream is gone; the lease decides its fate
+    REMOTE = "remote"        # run (or queued) through another router; its output arrives as events
     FINISHED = "finished"
 
 
@@ -57,6 +59,7 @@ class RequestState:
         self.order = (-spec.priority, arrival)   # queue order within this router
         self.submit_token = ""
         self.confirmed = False                # its submit is durable in Redis
+        self.front = False                    # Redis names this router among its fronts
         self.phase = Phase.QUEUED
         self.queue = ""                       # queue name while QUEUED
         self.owner: str | None = None         # replica id while RUNNING or DETACHED

@@ -7,6 +7,9 @@ Its methods are the only transitions, and each asserts what it expects:
                 │  ▼               ▼  │
               requeue ◀──────── DETACHED   (its replica's stream is gone)
 
+    QUEUED, RUNNING, DETACHED ──run moved──▶ REMOTE ──assign──▶ RUNNING
+                                (another router runs it; remote.py)
+
 Memory changes first, synchronously, so every coroutine sees one consistent
 view; the matching Redis write is queued on the ordered writer at the same
 moment, so Redis always holds a prefix of this history (a restarted router
@@ -16,6 +19,12 @@ clients are shown (request.py) and never fails a transition.
 Indexes kept here and nowhere else: requests by id, queued requests by
 queue, owned requests by replica, DETACHED requests, and the outstanding
 load (tokens) bound to each replica.
+
+Several routers share Redis; a router holds a request while it is one of
+its fronts (its clients' streams are here), or its back router (one of its
+replicas runs it), or it waits in one of its replicas' own queues. What
+changes because of another router (remote.py) changes here too, through
+the same indexes.
 """
 
 from __future__ import annotations
@@ -26,17 +35,19 @@ import time
 import uuid
 from typing import Callable
 
-from router.persistence.store import Store, pack_logprobs, pack_tokens
+from router.persistence.store import Popped, Store, pack_logprobs, pack_tokens
 from router.persistence.writer import RedisWriter
 from router.requests.queue_order import QueueOrder
+from router.requests.remote import CrossRouter
 from router.requests.request import CANCELLED, ERROR, Phase, RequestState, Subscriber
 from router.requests.spec import RequestSpec, sampling_fields
 
 log = logging.getLogger(__name__)
 REPLICA_QUEUE_PREFIX = "r:"
+SHARED_QUEUE = "pending"
 
 
-class RequestTable:
+class RequestTable(CrossRouter):
     def __init__(self, store: Store, writer: RedisWriter, metrics, *, lease_ttl: float,
                  max_requeues: int):
         self.store = store
@@ -52,12 +63,16 @@ class RequestTable:
         self._load: dict[str, int] = {}
         self._confirmed: dict[str, int] = {}
         self._withdrawing: set[str] = set()
+        self._attaching: dict[str, list] = {}   # ATTACH in flight: events that wait for it
         self._tokens = itertools.count()
         self._epoch = uuid.uuid4().hex[:12]   # makes submit tokens unique across router lives
         self.stopping = False                 # set at shutdown: streams end, nothing is cancelled
         # Set by the router's wiring (upper layers); called after the change is made.
         self.on_queued: Callable[[], None] = lambda: None
         self.on_cancel_running: Callable[[str, str], None] = lambda owner, rid: None
+        # Its replica's deltas for it are ignored from now on (it runs elsewhere).
+        self.on_release_running: Callable[[str, str], None] = lambda owner, rid: None
+        self.on_reload: Callable[[str], None] = lambda rid: None   # read it again from Redis
 
     # ---- reads ----
     def get(self, rid: str) -> RequestState | None:
@@ -154,6 +169,7 @@ class RequestTable:
         req = RequestState(spec, prompt_ids, rid=rid, digest=digest, max_tokens=max_tokens,
                            arrival=now)
         req.submit_token = f"{self._epoch}:{next(self._tokens)}"
+        req.front = True
         self.requests[rid] = req
         self._enqueue(req, queue)
         spec_json = _spec_json(spec)
@@ -199,29 +215,16 @@ class RequestTable:
 
         self.writer.post(self.store.abandon(req.id, req.submit_token)).on_done = withdrawn
 
-    def load_recovered(self, req: RequestState, state: str, owner: str, now: float) -> None:
-        """A live request read back from Redis (restart, or a record this router did not hold)."""
-        assert req.id not in self.requests, req.id
-        self.requests[req.id] = req
-        req.confirmed = True
-        req.visible_tokens, req.visible_parts = len(req.tokens), len(req.parts)
-        if state == "r" and owner:
-            req.phase = Phase.DETACHED
-            self._own(req, owner)
-            req.lease_deadline = now + self.lease_ttl
-            self._detached[req.id] = req
-        else:
-            self._enqueue(req, req.queue or "pending")
-            self.on_queued()
-
     # ---- assignment ----
-    def assign(self, req: RequestState, replica_id: str) -> None:
-        """A pop took it for this replica (Redis already says so)."""
-        assert req.phase is Phase.QUEUED, (req.id, req.phase)
-        self._dequeue(req)
+    def assign(self, req: RequestState, replica_id: str, popped: Popped) -> None:
+        """A pop took it for this replica (Redis already says so, with this
+        assignment count, which every later write for it names)."""
+        assert req.phase in (Phase.QUEUED, Phase.REMOTE), (req.id, req.phase)
+        if req.phase is Phase.QUEUED:
+            self._dequeue(req)
         req.phase = Phase.RUNNING
         self._own(req, replica_id)
-        req.assignments += 1
+        req.assignments, req.requeues = popped.assignments, popped.requeues
         req.preemption_base = req.preemptions
         first = not req.assigned_at
         req.assigned_at = time.time()
@@ -253,6 +256,11 @@ class RequestTable:
         self._enqueue(req, queue)
         self.metrics.requeues.labels(reason).inc()
         self.writer.post(self.store.requeue([req.id, queue, owner, req.assignments, req.requeues]))
+        if queue == SHARED_QUEUE and not req.front and not req.subscribers:
+            # Another router is its front: whoever pops it next takes it in from Redis.
+            self._dequeue(req)
+            req.phase = Phase.REMOTE
+            self._forget(req)
         self.on_queued()
 
     def detach(self, req: RequestState, deadline: float) -> None:
@@ -271,60 +279,27 @@ class RequestTable:
     # ---- output ----
     def record_step(self, items, replica_id: str, on_durable: Callable[[], None]) -> None:
         """Applies validated deltas [(request, delta)] of one StepOutputs; on_durable
-        runs once Redis holds them (the replica may then forget them)."""
+        runs once Redis holds them (the replica may then forget them). A delta
+        Redis drops (the request moved on meanwhile: requeued, adopted elsewhere,
+        cancelled by another router) is taken back (remote.py: step_dropped)."""
         now = time.time()
         args: list = []
         marks = []
-        metrics = self.metrics
-        generated = 0
         for req, d in items:
             assert req.phase is Phase.RUNNING and req.owner == replica_id, (req.id, req.phase)
-            tokens = d.token_ids
-            tok_offset, txt_offset = 4 * len(req.tokens), req.text_bytes
-            ft = fs = ""
-            if tokens:
-                if req.first_token_at:
-                    metrics.tbt.observe(now - req.last_token_at)
-                else:
-                    metrics.ttft.observe(now - req.arrival)
-                    req.first_token_at = now
-                    ft = repr(now)
-                req.tokens.extend(tokens)
-                req.last_token_at = now
-                generated += len(tokens)
-            text = d.text.encode() if d.text else b""
-            if text:
-                req.parts.append(d.text)
-                req.text_bytes += len(text)
-            if d.first_scheduled_at and not req.first_scheduled_at:
-                req.first_scheduled_at = d.first_scheduled_at
-                fs = repr(d.first_scheduled_at)
-            if d.preemptions:
-                req.preemptions = req.preemption_base + d.preemptions
-            packed = pack_tokens(tokens) if tokens else b""
-            lp_offset, lp = self._record_logprobs(req, d)
-            ct = ""
-            if d.cached_tokens and not req.cached_tokens:
-                req.cached_tokens = ct = d.cached_tokens
-            if d.HasField("finish_reason"):
-                req.replica_id = replica_id
-                self._disown(req)
-                self._finish(req, d.finish_reason, d.error, "")
-                args += (req.id, tok_offset, packed, txt_offset, text, ft, fs, 1, req.finish_reason,
-                         req.error, req.replica_id, repr(req.finished_at), req.preemptions,
-                         lp_offset, lp, ct)
-            else:
-                args += (req.id, tok_offset, packed, txt_offset, text, ft, fs, 0, "", "", "", "", "",
-                         lp_offset, lp, ct)
-            marks.append((req, len(req.tokens), len(req.parts), req.finished))
-        if generated:
-            metrics.generation_tokens.inc(generated)
+            before = (len(req.tokens), len(req.parts), len(req.logprobs), req.text_bytes)
+            args += self._step_item(req, d, replica_id, now)
+            marks.append((req, len(req.tokens), len(req.parts), req.finished, before))
         if self.writer.stalled:
-            for req, n_tok, n_parts, finished in marks:
+            for req, n_tok, n_parts, finished, _ in marks:
                 self._show(req, n_tok, n_parts, finished)
 
-        def durable(_reply) -> None:
-            for req, n_tok, n_parts, finished in marks:
+        def durable(reply) -> None:
+            written = reply if isinstance(reply, list) else [1] * len(marks)
+            for (req, n_tok, n_parts, finished, before), ok in zip(marks, written):
+                if not int(ok):
+                    self.step_dropped(req, before, finished)
+                    continue
                 self._show(req, n_tok, n_parts, finished)
                 if finished:
                     self._forget_finished(req)
@@ -333,6 +308,46 @@ class RequestTable:
         write = self.store.step(args) if args else self.store.barrier(None)
         write.on_done = durable
         self.writer.post(write)
+
+    def _step_item(self, req: RequestState, d, replica_id: str, now: float) -> tuple:
+        """One delta into memory; returns its lua.STEP arguments."""
+        metrics = self.metrics
+        tokens = d.token_ids
+        tok_offset, txt_offset = 4 * len(req.tokens), req.text_bytes
+        ft = fs = ""
+        if tokens:
+            if req.first_token_at:
+                metrics.tbt.observe(now - req.last_token_at)
+            else:
+                metrics.ttft.observe(now - req.arrival)
+                req.first_token_at = now
+                ft = repr(now)
+            req.tokens.extend(tokens)
+            req.last_token_at = now
+            metrics.generation_tokens.inc(len(tokens))
+        text = d.text.encode() if d.text else b""
+        if text:
+            req.parts.append(d.text)
+            req.text_bytes += len(text)
+        if d.first_scheduled_at and not req.first_scheduled_at:
+            req.first_scheduled_at = d.first_scheduled_at
+            fs = repr(d.first_scheduled_at)
+        if d.preemptions:
+            req.preemptions = req.preemption_base + d.preemptions
+        packed = pack_tokens(tokens) if tokens else b""
+        lp_offset, lp = self._record_logprobs(req, d)
+        ct = ""
+        if d.cached_tokens and not req.cached_tokens:
+            req.cached_tokens = ct = d.cached_tokens
+        if d.HasField("finish_reason"):
+            req.replica_id = replica_id
+            self._disown(req)
+            self._finish(req, d.finish_reason, d.error, "")
+            return (req.id, tok_offset, packed, txt_offset, text, ft, fs, 1, req.finish_reason,
+                    req.error, req.replica_id, repr(req.finished_at), req.preemptions,
+                    lp_offset, lp, ct, req.assignments)
+        return (req.id, tok_offset, packed, txt_offset, text, ft, fs, 0, "", "", "", "", "",
+                lp_offset, lp, ct, req.assignments)
 
     @staticmethod
     def _record_logprobs(req: RequestState, d) -> tuple[int, bytes]:
@@ -369,6 +384,9 @@ class RequestTable:
         self.metrics.e2e.observe(now - req.arrival)
 
     def _forget_finished(self, req: RequestState) -> None:
+        self._forget(req)
+
+    def _forget(self, req: RequestState) -> None:
         if self.requests.get(req.id) is req:
             del self.requests[req.id]
 
@@ -407,6 +425,11 @@ class RequestTable:
 
     # ---- client streams ----
     def subscribe(self, req: RequestState, interval: int, event=None) -> Subscriber:
+        if req.live and not req.front:
+            # Run here for another router's client: this one becomes a front too,
+            # so what other routers record for it later reaches this stream.
+            req.front = True
+            self.writer.post(self.store.attach(req.id, req.digest))
         return req.subscribe(interval, event)
 
     def unsubscribe(self, req: RequestState, sub: Subscriber) -> None:

@@ -10,6 +10,14 @@ Lua pop gives each request to exactly one replica, a named pop (the
 policy's picks) too. An Assign is sent the moment its pop returns, before
 anything else is done. Every placement's cache hit, and the best available,
 go to the prefix metrics (router/prefix/matcher.py).
+
+The shared queue is shared by every router on the Redis: what waits in it
+is known from arrivals (this router's, and other routers' through their
+kick events, events.py), not from memory. A pop takes requests this router
+does not hold with their record (lazy adoption). Per-replica policies pop a
+replica's own queue first, then the shared queue. A policy chooses only
+among the requests this router holds; the named pop takes its picks only
+while the queue's first request is one of them, then from the head.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import logging
 import time
 import uuid
 
+from router.requests.record import state_from_record
 from router.requests.request import Phase
 from router.scheduling.credit import Credit
 from router.scheduling.policies import (PENDING, Arrival, PolicySettings, make_policy,
@@ -46,6 +55,10 @@ class PullScheduler:
         self._retry: asyncio.TimerHandle | None = None
         self._pop_ids = itertools.count()
         self._pop_prefix = uuid.uuid4().hex[:12]
+        self._shared_work = True   # the shared queue may hold work (cleared by an empty pop)
+        # Replicas whose own queue may hold work this router does not hold (placed by
+        # an earlier router); cleared by an empty pop.
+        self._own_work: set[str] = set()
         self.paused = False
 
     # ---- what the policy context offers ----
@@ -62,6 +75,7 @@ class PullScheduler:
         limit = cap.max_num_seqs + cap.prefetch if cap.max_num_seqs else 0
         self._sessions[session.id] = session
         self._credit[session.id] = Credit(seat_limit=limit)
+        self._own_work.add(session.id)
         self.policy.on_replica_joined(session)
         if self.policy.per_replica_queues:
             self.redistribute(PENDING)
@@ -138,6 +152,12 @@ class PullScheduler:
     def kick(self) -> None:
         self._wake.set()
 
+    def work_arrived(self) -> None:
+        """Something may wait in the shared queue (an arrival, a requeue, here or
+        at another router)."""
+        self._shared_work = True
+        self._wake.set()
+
     async def _run(self) -> None:
         while not self.paused:
             await self._wake.wait()
@@ -161,13 +181,21 @@ class PullScheduler:
                 out.append((credit.pulled_at, session))
         return [s for _, s in sorted(out, key=lambda x: x[0])]
 
+    def _queue_for(self, session) -> str | None:
+        own = self.policy.pull_queue(session)
+        if own != PENDING and (self.table.queued_count(own) > 0 or session.id in self._own_work):
+            return own
+        if self._shared_work or self.table.queued_count(PENDING) > 0:
+            return PENDING
+        return None
+
     async def _round(self) -> None:
         progress = True
         while progress and not self.paused:
             progress = False
             for session in self._pullers():
-                queue = self.policy.pull_queue(session)
-                if self.table.queued_count(queue) > 0:
+                queue = self._queue_for(session)
+                if queue is not None:
                     progress |= await self._serve(session, queue)
 
     def _pop(self, session, queue: str, credit: Credit):
@@ -175,7 +203,10 @@ class PullScheduler:
         (None: from the head, in order)."""
         seats = credit.seats(len(self.table.owned_by(session.id)))
         others = [s.id for s in self.live(exclude=session.id)]
-        choice = self.policy.choose(session, queue, seats, credit.token_limit, others)
+        # A policy chooses among the requests this router holds; holding none
+        # of this queue, it takes the head (other routers' work, in order).
+        held = self.table.oldest_queued(queue, 1)
+        choice = self.policy.choose(session, queue, seats, credit.token_limit, others) if held else None
         now = time.time()
         token = f"{self._pop_prefix}:{next(self._pop_ids)}"
         if choice is None:
@@ -183,10 +214,13 @@ class PullScheduler:
                                   now + self.lease_ttl, now, token), None
         if choice.retry_in is not None:
             self._retry_in(choice.retry_in)
-        if not choice.picks:
-            return None, None
-        return self.store.pop_ids(queue, session.id, [r.id for r, _ in choice.picks],
-                                  now + self.lease_ttl, now, token), {r.id: why for r, why in choice.picks}
+        # Sent even with no picks: the queue's first request may be another
+        # router's, which this router cannot see and must not pass over.
+        held = self.table.oldest_queued(queue, len(choice.picks) + 1)
+        return (self.store.pop_ids(queue, session.id, seats, credit.token_limit,
+                                   now + self.lease_ttl, now, token, [r.id for r in held],
+                                   [r.id for r, _ in choice.picks]),
+                {r.id: why for r, why in choice.picks})
 
     def _retry_in(self, seconds: float) -> None:
         """One timer, the earliest asked for: a round then runs with no event."""
@@ -205,24 +239,23 @@ class PullScheduler:
     async def _serve(self, session, queue: str) -> bool:
         credit = self._credit[session.id]
         pop, reasons = self._pop(session, queue, credit)
-        if pop is None:
+        named = reasons is not None
+        if queue == PENDING and not named:
+            self._shared_work = False   # an arrival during the pop sets it again
+        popped = self.store.popped(await self.writer.call(pop))
+        if not popped:
+            if named:
+                return False   # its picks went elsewhere meanwhile: proves nothing about the queue
+            if queue != PENDING:
+                self._own_work.discard(session.id)
+                return self._shared_work   # the shared queue is next
             return False
-        ids = await self.writer.call(pop)
-        if not ids:
-            return False
-        taken = []
-        for raw in ids:
-            rid = raw.decode()
-            req = self.table.get(rid)
-            if req is None:
-                log.error("popped %s, which this router does not hold; its lease will lapse", rid)
-                continue
-            if req.phase is not Phase.QUEUED:
-                continue  # cancelled or withdrawn while the pop was in flight; Redis follows
-            self.table.assign(req, session.id)
+        if queue == PENDING:
+            self._shared_work = True
+        taken = await self._take(session, popped)
+        for req in taken:
             if self._credit.get(session.id) is credit:
                 credit.spend(req.context_len)
-            taken.append(req)
         if not taken:
             return True
         if session.closed or self._sessions.get(session.id) is not session:
@@ -233,6 +266,37 @@ class PullScheduler:
         session.send_assignments(taken)
         self._record_picks(session, taken, reasons)
         return True
+
+    async def _take(self, session, popped) -> list:
+        """The requests a pop took for this session, as this router now holds them."""
+        taken, stale = [], []
+        for p in popped:
+            req = self.table.get(p.id)
+            if req is None:
+                if p.record is None:
+                    log.error("popped %s, which this router should hold and does not; its "
+                              "lease will lapse and it is requeued", p.id)
+                    continue
+                req = state_from_record(p.record)
+                self.table.adopt_popped(req, session.id, p)
+            elif req.phase not in (Phase.QUEUED, Phase.REMOTE):
+                continue  # cancelled or withdrawn while the pop was in flight; Redis follows
+            else:
+                if len(req.tokens) != p.output_len:
+                    stale.append(req)   # output recorded by another router that it has not seen
+                self.table.assign(req, session.id, p)
+            taken.append(req)
+        if stale:
+            try:
+                records = await self.store.load_requests([r.id for r in stale])
+            except Exception as exc:  # it cannot start from output it does not have
+                log.warning("reading %d popped requests back failed (%s); requeued", len(stale), exc)
+                for req in stale:
+                    self.table.requeue(req, self.requeue_queue(req, None), "resync_failed")
+                records = []
+            for req, rec in zip(stale, records):
+                self.table.resync(req, rec)
+        return [r for r in taken if r.phase is Phase.RUNNING and r.owner == session.id]
 
     def _record_picks(self, session, taken, reasons: dict | None) -> None:
         live = [s.id for s in self.live()]

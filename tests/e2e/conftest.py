@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tests.support.live_stack import LiveStack
+from tests.support.live_stack import LiveStack, RouterTier
 
 
 @pytest.fixture(scope="session")
@@ -29,15 +29,34 @@ def hf_reference(e2e_model):
 
 
 @pytest.fixture
-def live_stack(tmp_path, redis_url, e2e_model):
+def started_stacks():
+    """Stops, at the end of the test, every stack given to it."""
     stacks = []
 
-    def make(policy: str = "pull", router_args=()) -> LiveStack:
-        stack = LiveStack(tmp_path, redis_url, e2e_model, policy, tuple(router_args))
+    def started(stack):
         stacks.append(stack)
         stack.start_router()
         return stack
 
-    yield make
+    yield started
     for stack in stacks:
         stack.stop()
+
+
+@pytest.fixture
+def live_stack(tmp_path, redis_url, e2e_model, started_stacks):
+    def make(policy: str = "pull", router_args=()) -> LiveStack:
+        return started_stacks(LiveStack(tmp_path, redis_url, e2e_model, policy, tuple(router_args)))
+
+    return make
+
+
+@pytest.fixture
+def router_tier(tmp_path, redis_url, e2e_model, started_stacks):
+    """router_tier(count, policy, router_args): that many routers on one Redis, started."""
+
+    def make(count: int, policy: str = "pull", router_args=()) -> RouterTier:
+        return started_stacks(RouterTier(tmp_path, redis_url, e2e_model, count, policy,
+                                         tuple(router_args)))
+
+    return make

@@ -35,7 +35,8 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(live_stack, hf_referenc
     stack = live_stack(policy)
     ports = {rid: free_port() for rid in ("r0", "r1")}
     for rid, port in ports.items():
-        stack.start_replica(rid, "--metrics-port", str(port))
+        stack.start_replica(rid, "--metrics-port", str(port), wait=False)
+    stack.wait_registered(*ports)
 
     async def scenario():
         tokens, last = await generate(stack.address, prefixed(0), 8)

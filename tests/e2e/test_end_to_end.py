@@ -64,8 +64,9 @@ def requeues_of_exact_results(prompts, results, hf_reference, max_tokens) -> int
 def test_greedy_outputs_equal_transformers_on_two_replicas(live_stack, hf_reference, policy):
     stack = live_stack(policy)
     # Four seats each: neither replica can take all eight requests at once.
-    stack.start_replica("r0", "--max-num-seqs", "4")
-    stack.start_replica("r1", "--max-num-seqs", "4")
+    for rid in ("r0", "r1"):
+        stack.start_replica(rid, "--max-num-seqs", "4", wait=False)
+    stack.wait_registered("r0", "r1")
     results = asyncio.run(generate_all(stack.address, PROMPTS, 20))
     replicas = set()
     for prompt, (tokens, last) in zip(PROMPTS, results):
@@ -79,8 +80,9 @@ def test_greedy_outputs_equal_transformers_on_two_replicas(live_stack, hf_refere
 @pytest.mark.parametrize("policy", POLICIES)
 def test_replica_killed_mid_generation_loses_nothing(live_stack, hf_reference, policy):
     stack = live_stack(policy)
-    stack.start_replica("r0", "--max-num-seqs", "4")
-    stack.start_replica("r1", "--max-num-seqs", "4")
+    for rid in ("r0", "r1"):
+        stack.start_replica(rid, "--max-num-seqs", "4", wait=False)
+    stack.wait_registered("r0", "r1")
     max_tokens = 300
 
     async def kill_r0():

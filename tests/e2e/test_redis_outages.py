@@ -67,8 +67,9 @@ def test_redis_outage_mid_stream_loses_nothing(tmp_path, aof_redis, e2e_model, h
                       ("--lease-ttl", "20", "--redis-timeout", "1", "--submit-timeout", "2"))
     try:
         stack.start_router()
-        stack.start_replica("r0", "--max-num-seqs", "4")
-        stack.start_replica("r1", "--max-num-seqs", "4")
+        for rid in ("r0", "r1"):
+            stack.start_replica(rid, "--max-num-seqs", "4", wait=False)
+        stack.wait_registered("r0", "r1")
 
         async def scenario():
             followers = [TimedFollower(stack.address, p, f"{fault}-{i}") for i, p in enumerate(PROMPTS)]

@@ -77,8 +77,9 @@ def test_router_stopped_mid_stream_and_restarted_loses_and_recomputes_nothing(
     four wait in the queue. A SIGTERM cancels none of them: streams end
     UNAVAILABLE, never CANCELLED."""
     stack = live_stack("pull", router_args=("--lease-ttl", "20"))
-    stack.start_replica("r0", "--max-num-seqs", "2")
-    stack.start_replica("r1", "--max-num-seqs", "2")
+    for rid in ("r0", "r1"):
+        stack.start_replica(rid, "--max-num-seqs", "2", wait=False)
+    stack.wait_registered("r0", "r1")
 
     async def scenario():
         followers = [Follower(stack.address, p, f"{sig.name}-{i}") for i, p in enumerate(PROMPTS)]
@@ -105,8 +106,9 @@ def test_network_blip_between_replicas_and_router_recomputes_nothing(live_stack,
     stack = live_stack("pull", router_args=("--lease-ttl", "10"))
     proxy = FaultProxy(stack.port).start()
     try:
-        stack.start_replica("r0", "--max-num-seqs", "4", router=proxy.address)
-        stack.start_replica("r1", "--max-num-seqs", "4", router=proxy.address)
+        for rid in ("r0", "r1"):
+            stack.start_replica(rid, "--max-num-seqs", "4", router=proxy.address, wait=False)
+        stack.wait_registered("r0", "r1")
 
         async def scenario():
             followers = [Follower(stack.address, p, f"blip-{i}") for i, p in enumerate(PROMPTS)]

@@ -43,8 +43,9 @@ async def follow(address, prompt, request_id):
 @pytest.mark.parametrize("lease_ttl", ["30", "2"], ids=["replicas-keep-work", "leases-expire"])
 def test_router_killed_and_restarted_loses_nothing(live_stack, hf_reference, lease_ttl):
     stack = live_stack("pull", router_args=("--lease-ttl", lease_ttl))
-    stack.start_replica("r0", "--max-num-seqs", "4")
-    stack.start_replica("r1", "--max-num-seqs", "4")
+    for rid in ("r0", "r1"):
+        stack.start_replica(rid, "--max-num-seqs", "4", wait=False)
+    stack.wait_registered("r0", "r1")
 
     async def scenario():
         tasks = [asyncio.create_task(follow(stack.address, p, f"req-{i}"))

@@ -1,6 +1,6 @@
 """The router's smaller lifecycle promises: malformed bytes, bounded memory,
 what is counted against the queue limit, declared capacity, queue-wait
-metrics and recovery of a record that lost its lease entry."""
+metrics and a record that lost its lease entry."""
 
 import asyncio
 import logging
@@ -217,9 +217,11 @@ def test_queue_wait_is_observed_once_per_request_even_when_requeued(redis_url, t
     arun(scenario())
 
 
-def test_recovery_takes_a_running_record_missing_from_the_lease_set(redis_url, tiny_model, arun):
-    """A record in state running with no in-flight entry (its lease lost) is
-    still recovered and, its replica not returning, requeued and finished."""
+def test_a_running_record_missing_from_the_lease_set_is_requeued_on_attach(redis_url, tiny_model,
+                                                                            arun):
+    """A record in state running with no in-flight entry (its lease lost) gets
+    one that has lapsed when a client re-attaches, so it is swept back to the
+    queue and finished by a fresh replica."""
     from router.server import RouterApp
 
     async def scenario():
@@ -241,7 +243,7 @@ def test_recovery_takes_a_running_record_missing_from_the_lease_set(redis_url, t
         again = make_config(redis_url, tiny_model, redis_prefix=cfg.redis_prefix, lease_ttl=1.0,
                             heartbeat_interval=0.25)
         async with running_router(again) as app2:
-            assert app2.table.get("orphan") is not None
+            assert app2.table.get("orphan") is None   # nothing is loaded at start
             reps2 = Replicas(app2.address, app2.limits.vocab_size)
             await reps2.add("fresh")
             async with client(app2.address) as stub:

@@ -25,8 +25,8 @@ def submit(store, rid, prompt_len=1, token="t", arrival=1000.0, priority=0, queu
 
 
 async def pop(writer, store, n, tokens, token, queue="pending", replica="rep"):
-    ids = await writer.call(store.pop(queue, replica, n, tokens, 2e9, 1.0, token))
-    return [i.decode() for i in ids]
+    reply = await writer.call(store.pop(queue, replica, n, tokens, 2e9, 1.0, token))
+    return [p.id for p in store.popped(reply)]
 
 
 def test_pop_takes_while_token_credit_is_left(redis_url, arun):
@@ -94,9 +94,10 @@ def test_every_script_run_twice_is_run_once(redis_url, arun):
             assert await pop(writer, store, 5, None, "p1") == ["a"]  # a retried pop: what it took
             assert await r.hget("idem:req:a", "n") == b"1"
 
-            step = [("a", 0, pack_tokens([7, 8]), 0, b"xy", "1.0", "", 0, "", "", "", "", "", 0, b"", "")]
+            step = [("a", 0, pack_tokens([7, 8]), 0, b"xy", "1.0", "", 0, "", "", "", "", "", 0, b"",
+                     "", 1)]
             for _ in range(2):
-                await writer.call(store.step([v for item in step for v in item]))
+                assert await writer.call(store.step([v for item in step for v in item])) == [1]
             assert await r.get("idem:out:a") == pack_tokens([7, 8])
             assert await r.get("idem:txt:a") == b"xy"
 
@@ -130,9 +131,102 @@ def test_every_script_run_twice_is_run_once(redis_url, arun):
     arun(scenario())
 
 
-async def pop_ids(writer, store, ids, token, queue="pending", replica="rep"):
-    got = await writer.call(store.pop_ids(queue, replica, ids, 2e9, 1.0, token))
-    return [i.decode() for i in got]
+@contextlib.asynccontextmanager
+async def routers_a_and_b(redis_url, prefix):
+    """A store and the writers of two registered routers, A and B (fenced as theirs)."""
+    async with store_and_writer(redis_url, prefix) as (store, a), \
+            store_and_writer(redis_url, prefix) as (_, b):
+        for router_id, writer in (("A", a), ("B", b)):
+            writer.fence = (router_id, await store.register_router(router_id, 30))
+        yield store, a, b
+
+
+def test_cross_router_scripts_run_twice_are_run_once(redis_url, arun):
+    """ATTACH, ADOPT, the in-flight sweep and a replica leaving, each sent
+    again as a retried flush would, for two registered routers."""
+    from router.persistence.store import record_from_flat
+
+    async def scenario():
+        async with routers_a_and_b(redis_url, "xr:") as (store, a, b):
+            r = store.redis
+            await a.call(submit(store, "x", 2, token="tx"))
+            assert await r.hget("xr:req:x", "fe") == b"A"
+            for _ in range(2):
+                flat = await b.call(store.attach("x", "d"))
+            assert record_from_flat("x", flat)["id"] == "x"
+            assert await r.hget("xr:req:x", "fe") == b"A B"
+            await b.call(store.attach("x", "another body"))
+            assert await r.hget("xr:req:x", "fe") == b"A B"
+
+            reply = await a.call(store.pop("pending", "rep", 1, None, 2e9, 1.0, "pa"))
+            [popped] = store.popped(reply)
+            assert (popped.id, popped.assignments, popped.record) == ("x", 1, None)  # A is a front
+            for _ in range(2):
+                [flat] = await b.call(store.adopt("rep", 2e9, ["x"]))
+                assert record_from_flat("x", flat)["tokens"] == []
+            assert await r.hget("xr:req:x", "br") == b"B"
+            assert [f for _, f in await r.xrange("xr:ev:A")][-1][b"k"] == b"m"
+            assert await b.call(store.adopt("other", 2e9, ["x"])) == [b""]
+
+            # B's lease lapses: A sweeps x back to the shared queue, once.
+            await r.zadd("xr:routers", {"B": 1.0})
+            await r.zadd("xr:inflight", {"x": 1.0})
+            assert [await a.call(store.sweep_inflight(0)) for _ in range(2)] == [1, 0]
+            assert (await r.hget("xr:req:x", "st"), await r.hget("xr:req:x", "rq")) == (b"q", b"1")
+            assert await r.zcard("xr:q:pending") == 1
+
+            await a.call(store.move(["x", "pending", "r:rep"]))
+            for _ in range(2):
+                await a.call(store.replica_left("rep"))
+            assert (await r.zcard("xr:q:r:rep"), await r.zcard("xr:q:pending")) == (0, 1)
+            assert await r.hget("xr:req:x", "q") == b"pending"
+
+    arun(scenario())
+
+
+def test_a_named_pop_by_a_router_that_is_not_a_front_adopts_what_it_takes(redis_url, arun):
+    """POP_IDS follows POP's rules across routers: the caller becomes the back
+    router, gets the whole record of what it does not front (by name, or from
+    the head when an older request it cannot see leads the queue), the fronts
+    hear of it ('a'), and a retried call returns the same requests."""
+
+    async def scenario():
+        async with routers_a_and_b(redis_url, "xn:") as (store, a, b):
+            r = store.redis
+            await a.call(submit(store, "theirs", 3, token="t0", arrival=1000.0))
+            await b.call(submit(store, "mine", 2, token="t1", arrival=1001.0))
+            await b.call(submit(store, "named", 2, token="t2", arrival=1002.0))
+            for _ in range(2):
+                reply = await b.call(store.pop_ids("pending", "rep", 1, None, 2e9, 1.0, "nb",
+                                                   ["mine", "named"], ["named"]))
+                [head] = store.popped(reply)
+                assert (head.id, head.assignments) == ("theirs", 1)   # A's, older: from the head
+                assert head.record["id"] == "theirs" and head.record["p"]
+            assert (await r.hget("xn:req:theirs", "br"), await r.hget("xn:req:theirs", "n")) == (b"B", b"1")
+            assert [f[b"k"] for _, f in await r.xrange("xn:ev:A")][-1] == b"a"
+
+            # By name: A names B's request, behind one A says it holds.
+            for _ in range(2):
+                reply = await a.call(store.pop_ids("pending", "rep2", 5, None, 2e9, 1.0, "na",
+                                                   ["mine", "named"], ["named"]))
+                [p] = store.popped(reply)
+                assert (p.id, p.record["id"], p.record["fe"]) == ("named", "named", b"B")
+            assert await r.hget("xn:req:named", "br") == b"A"
+            assert [f[b"k"] for _, f in await r.xrange("xn:ev:B")][-1] == b"a"
+            # Its own front's named pop carries no record.
+            reply = await b.call(store.pop_ids("pending", "rep", 5, None, 2e9, 1.0, "nm",
+                                               ["mine"], ["mine"]))
+            assert [(p.id, p.record) for p in store.popped(reply)] == [("mine", None)]
+            assert await r.zcard("xn:q:pending") == 0
+
+    arun(scenario())
+
+
+async def pop_ids(writer, store, ids, token, held, queue="pending", replica="rep", n=10,
+                  tokens=None):
+    """A named pop by a router whose oldest requests in `queue` are `held`."""
+    reply = await writer.call(store.pop_ids(queue, replica, n, tokens, 2e9, 1.0, token, held, ids))
+    return [p.id for p in store.popped(reply)]
 
 
 def test_named_pop_takes_only_what_is_still_queued_there_and_once(redis_url, arun):
@@ -146,9 +240,10 @@ def test_named_pop_takes_only_what_is_still_queued_there_and_once(redis_url, aru
                 await writer.call(submit(store, f"n{i}", arrival=1000.0 + i))
             await writer.call(submit(store, "elsewhere", queue="r:x"))
             assert await pop(writer, store, 1, None, "head") == ["n0"]
-            taken = await pop_ids(writer, store, ["n2", "n0", "elsewhere", "nobody", "n1"], "t1")
+            held = ["n1", "n2", "n3"]
+            taken = await pop_ids(writer, store, ["n2", "n0", "elsewhere", "nobody", "n1"], "t1", held)
             assert taken == ["n2", "n1"]   # n0 was taken already; the others are not queued here
-            assert await pop_ids(writer, store, ["n2", "n1", "n3"], "t1") == ["n2", "n1"]
+            assert await pop_ids(writer, store, ["n2", "n1", "n3"], "t1", held) == ["n2", "n1"]
             assert await r.hget("named:req:n2", "n") == b"1"
             assert (await r.hget("named:req:n1", "st"), await r.hget("named:req:n1", "o")) == (b"r", b"rep")
             assert await r.zrange("named:q:pending", 0, -1) == [b"%016d%012d:n3" % (1003000000, 4)]
@@ -156,6 +251,34 @@ def test_named_pop_takes_only_what_is_still_queued_there_and_once(redis_url, aru
             assert await r.zcard("named:q:r:x") == 1 and await r.hget("named:req:elsewhere", "st") == b"q"
             # Requeued to the front, it can be named again (a fresh token).
             await writer.call(store.requeue(["n2", "pending", "rep", 1, 1]))
-            assert await pop_ids(writer, store, ["n3", "n2"], "t2") == ["n3", "n2"]
+            assert await pop_ids(writer, store, ["n3", "n2"], "t2", ["n2", "n3"]) == ["n3", "n2"]
+            # Nothing named, the first request one the caller holds: nothing is taken.
+            await writer.call(submit(store, "n4", arrival=1004.0))
+            assert await pop_ids(writer, store, [], "t3", ["n4"]) == []
+
+    arun(scenario())
+
+
+def test_named_pop_takes_from_the_head_once_another_request_leads(redis_url, arun):
+    """The caller chose among what it holds; a request it does not hold (another
+    router's) leads the queue, at once or once a pick is taken: the seats and
+    credit left are taken from the head, as POP would take them."""
+
+    async def scenario():
+        async with store_and_writer(redis_url, "nhead:") as (store, writer):
+            for i, prompt_len in enumerate([4, 6, 1, 1, 2, 3, 3]):
+                await writer.call(submit(store, f"h{i}", prompt_len, arrival=1000.0 + i))
+            # h0 leads and is not held: from the head, within 3 seats and 5 tokens.
+            assert await pop_ids(writer, store, ["h3"], "t1", ["h1", "h3"], n=3, tokens=5) == ["h0", "h1"]
+            assert await pop_ids(writer, store, ["h3"], "t1", ["h1", "h3"], n=3, tokens=5) == ["h0", "h1"]
+            # h2 leads and is held: the pick; then h2 still leads.
+            assert await pop_ids(writer, store, ["h3"], "t2", ["h2", "h3"], n=3) == ["h3"]
+            # Held h2 and h5, picked in order: h2, then h4 (not held) leads: the head
+            # pop takes it with the seat left, not h5 behind it.
+            assert await pop_ids(writer, store, ["h2", "h5"], "t3", ["h2", "h5", "h6"], n=2) == ["h2", "h4"]
+            # Credit the picks spent is gone for the head pop: h5 takes all 3 tokens,
+            # so h6 (not held, leading then) is not taken.
+            assert await pop_ids(writer, store, ["h5"], "t4", ["h5"], n=3, tokens=3) == ["h5"]
+            assert await pop_ids(writer, store, ["h5"], "t5", ["h5"], n=3, tokens=4) == ["h6"]
 
     arun(scenario())

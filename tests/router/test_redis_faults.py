@@ -31,11 +31,17 @@ def proxy(redis_server):
     p.stop()
 
 
+def permanent(name: str) -> bool:
+    """Keys that live as long as the deployment: counters, the live set, router
+    leases and each live router's event stream."""
+    return name in ("seq", "ao", "live", "epoch", "routers") or name.startswith(("router:", "ev:"))
+
+
 async def keys_without_ttl(store) -> list[str]:
     out = []
     async for key in store.redis.scan_iter(match=f"{store.prefix}*"):
         name = key.decode()[len(store.prefix):]
-        if name not in ("seq", "live") and await store.redis.ttl(key) < 0:
+        if not permanent(name) and await store.redis.ttl(key) < 0:
             out.append(name)
     return out
 

@@ -15,6 +15,7 @@ import pytest
 
 from common.pb.quadriga.v1 import generation_pb2 as gpb
 from common.tokenizer import vocab_size
+from tests.router.test_redis_faults import permanent
 from tests.support.router_harness import client, free_port, request, tokens_of
 from tests.support.scripted_replica import expected_tokens
 
@@ -79,7 +80,7 @@ def assert_no_leaks(redis_url, prefix):
     try:
         for key in r.scan_iter(match=f"{prefix}*"):
             name = key.decode()[len(prefix):]
-            if name == "seq":
+            if permanent(name):
                 continue
             assert not name.startswith("q:") and name != "inflight", (name, r.type(key))
             assert r.ttl(key) > 0, f"{name} never expires"

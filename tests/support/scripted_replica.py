@@ -105,14 +105,16 @@ class ScriptedReplica:
     async def run(self) -> None:
         options = [("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
-        async with grpc.aio.insecure_channel(self.target, options=options) as channel:
-            stub = replica_pb2_grpc.ReplicaGatewayStub(channel)
-            while not self._stopped:
-                code = await self._session(stub)
-                self.rec.errors.append(code)
-                if not self.knobs.reconnect or self._stopped:
-                    return
-                await asyncio.sleep(0.2)
+        targets = self.target.split(",")   # several routers: the next one after each break
+        turn = 0
+        while not self._stopped:
+            async with grpc.aio.insecure_channel(targets[turn % len(targets)], options=options) as channel:
+                code = await self._session(replica_pb2_grpc.ReplicaGatewayStub(channel))
+            self.rec.errors.append(code)
+            if not self.knobs.reconnect or self._stopped:
+                return
+            turn += 1
+            await asyncio.sleep(0.2)
 
     def stop(self) -> None:
         self._stopped = True
@@ -311,7 +313,7 @@ class ScriptedReplica:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--router", required=True, help="HOST:PORT")
+    p.add_argument("--router", required=True, help="HOST:PORT[,HOST:PORT...]")
     p.add_argument("--id", default="r0")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--capacity", type=int, default=8)

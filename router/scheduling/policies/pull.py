@@ -25,6 +25,15 @@ a Pull only ever takes from the W oldest, and once a request has waited
 `max_wait` nothing behind it in the queue is taken before it. Nothing is
 hashed, and the head is popped as without affinity, while no replica holds
 any cached block.
+
+With several routers on one Redis the window holds only the requests this
+router holds in memory (its own arrivals waiting in the queue), and the
+caches it weighs are its own replicas': other routers' requests are not
+seen, and the bound holds among this router's requests. They are not
+starved: the scheduler pops the head when this router holds none of the
+queue, and the named pop takes the picks only while the queue's first
+request is one this router holds, then from the head
+(router/persistence/lua.py, POP_IDS).
 """
 
 from __future__ import annotations

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The router tier benchmark (benchmarks/router/tier.py) on the device machine's
+# 16 CPU cores, no GPU used: 1, 2 and 4 routers on one Redis before 64 simulated
+# replicas (4 processes of 16, cost model h200-8b), open-loop 64-token streams
+# from 4 load generator processes, then 4 routers at 70% of what 4 sustained
+# with one killed. About 6 minutes. Usage (device tool, carrying .carry from
+# prepare-carry.sh, which brings redis-server and the gRPC/Redis packages):
+#   bash benchmarks/gpu/run_router_tier.sh .carry $OUT
+# A dry run here: NO_CARRY=1 PYTHON=.venv/bin/python SMALL=1 bash benchmarks/gpu/run_router_tier.sh - /tmp/tier
+set -uo pipefail
+carry=${1:-.carry}; out=$(mkdir -p "${2:-/tmp/out}" && cd "${2:-/tmp/out}" && pwd)
+if [ -z "${NO_CARRY:-}" ]; then
+  source benchmarks/gpu/device-env.sh "$carry"
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PY=${PYTHON:-python3}
+nproc; $PY --version; command -v redis-server
+if [ -n "${SMALL:-}" ]; then
+  size=(--routers 1 2 --replicas 8 --per-process 4 --rates 10 20 --duration 3 --clients 1
+        --failover-routers 2 --failover-duration 6)
+else
+  size=(--routers 1 2 4 --replicas 64 --per-process 16 --rates 250 500 1000 1500 2000 3000
+        --duration 8 --clients 4 --failover-routers 4 --failover-duration 15)
+fi
+timeout 530 $PY -m benchmarks.router.tier "${size[@]}" --out "$out/router_tier.json" 2>&1 | tail -40

@@ -1,0 +1,218 @@
+"""A tier of routers on one Redis in front of many simulated replicas: the
+request rate 1, 2 and 4 routers sustain with 64-token streams and the latency
+they add, and what killing one router under load costs.
+
+Everything is a separate process: Redis, each router, the simulated replicas
+(`python -m replica_worker.sim -k PER_PROCESS`, each process dialling the
+routers in its own rotation, so replica streams spread over the routers) and
+the load generator (benchmarks/router/tier_load.py: open-loop Poisson
+arrivals, FailoverStream over all routers, request i starting at router i mod N).
+
+    python -m benchmarks.router.tier                          # 1, 2, 4 routers x 64 replicas
+    python -m benchmarks.router.tier --routers 1 2 --replicas 8 --per-process 4 \
+        --rates 20 40 --duration 3 --failover-routers 2 --out /tmp/tier.json   # a small check
+
+Per router count, rates are offered in turn until one is not sustained (a
+request lost, a backlog left at the end, or p99 added TTFT over
+--added-limit-ms; tier_report.DEFINITIONS). Failover (--failover-routers N, default 4): N routers at
+--failover-load of the highest rate N sustained (or --failover-rate); one
+router is SIGKILLed a third of the way in. Definitions are in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.router.overhead import ROOT, scrape
+from benchmarks.router.tier_report import DEFINITIONS, failover_summary, rate_summary
+from common.redis_server import RedisServer, free_port
+
+
+class Tier:
+    """Redis, n routers and the simulated replicas, as processes."""
+
+    def __init__(self, args, work: Path, model: Path, n: int):
+        self.args, self.work, self.model, self.n = args, work, model, n
+        self.redis = RedisServer(work / f"redis-{n}-{time.monotonic_ns()}")
+        self.log = open(work / f"tier-{n}.log", "ab")
+        self.ports = [free_port() for _ in range(n)]
+        self.metrics_ports = [free_port() for _ in range(n)]
+        self.routers: list[subprocess.Popen] = []
+        self.sims: list[subprocess.Popen] = []
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.ports]
+
+    def start(self) -> "Tier":
+        a = self.args
+        self.redis.start()
+        for port, mport in zip(self.ports, self.metrics_ports):
+            self.routers.append(self._spawn(
+                ["-m", "router", "--port", str(port), "--host", "127.0.0.1", "--redis-url",
+                 self.redis.url, "--model", str(self.model), "--metrics-port", str(mport),
+                 "--heartbeat-interval", "0.5", "--lease-ttl", "10",
+                 "--queue-limit", "100000", "--log-level", "WARNING"]))
+        processes = max(1, a.replicas // a.per_process)
+        for i in range(processes):
+            order = self.addresses[i % self.n:] + self.addresses[:i % self.n]
+            self.sims.append(self._spawn(
+                ["-m", "replica_worker.sim", "--router", ",".join(order), "--model", str(self.model),
+                 "--profile", a.profile, "--replica-id", f"sim{i}", "-k", str(a.per_process),
+                 "--max-num-seqs", str(a.max_num_seqs), "--drain-timeout", "2"]))
+        self._wait_for_replicas(processes * a.per_process)
+        return self
+
+    def _spawn(self, argv: list[str]) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=self.log,
+                                stderr=subprocess.STDOUT)
+
+    def replicas_connected(self) -> int:
+        total = 0
+        for proc, mport in zip(self.routers, self.metrics_ports):
+            if proc.poll() is None:
+                try:
+                    total += int(scrape(mport).get("quadriga_replicas_connected", 0))
+                except OSError:
+                    pass
+        return total
+
+    def _wait_for_replicas(self, want: int) -> None:
+        deadline = time.monotonic() + 180
+        while self.replicas_connected() < want:
+            if any(p.poll() is not None for p in self.routers + self.sims):
+                raise SystemExit(f"a process exited early; see {self.log.name}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{self.replicas_connected()} of {want} replicas connected; "
+                                 f"see {self.log.name}")
+            time.sleep(0.3)
+
+    def load(self, rate: float, duration: float, seed: int, kill_at: float | None = None) -> dict:
+        """One open-loop run, split over --clients load generator processes;
+        with kill_at, router 1 is SIGKILLed that many seconds in."""
+        a, k = self.args, self.args.clients
+        gens = [subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.router.tier_load", "--routers", ",".join(self.addresses),
+             "--rate", str(rate / k), "--duration", str(duration), "--vocab", str(a.vocab),
+             "--output-tokens", str(a.output_tokens), "--stream-interval", str(a.stream_interval),
+             "--seed", str(seed * 100 + i), "--first-index", str(i * 10_000_000)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True) for i in range(k)]
+        if kill_at is not None:
+            time.sleep(kill_at)
+            self.routers[1 % self.n].send_signal(signal.SIGKILL)
+        records = []
+        for gen in gens:
+            out, _ = gen.communicate()
+            if gen.returncode != 0:
+                raise SystemExit(f"load generator failed; see {self.log.name}")
+            records += json.loads(out.strip().splitlines()[-1])["records"]
+        return dict(offered_rps=rate, records=records, killed_at_s=kill_at)
+
+    def stop(self) -> None:
+        for proc in self.sims + self.routers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        self.redis.stop()
+        self.log.close()
+
+
+def ladder(args, work, model, n: int) -> dict:
+    tier = Tier(args, work, model, n).start()
+    rows = []
+    try:
+        tier.load(min(args.rates), 1.0, seed=999)   # warm-up: tokenizers, channels
+        for k, rate in enumerate(args.rates):
+            row = rate_summary(tier.load(rate, args.duration, seed=k + 1), args.added_limit_ms)
+            rows.append(row)
+            print(f"{n} routers  offered {rate:6.0f}/s  completed {row['completed_rps']:7.1f}/s  "
+                  f"lost {row['lost']}  ttft p50 {row['ttft_p50_ms']:7.1f} p99 {row['ttft_p99_ms']:7.1f} ms  "
+                  f"added p50 {row['added_ttft_p50_ms']:6.1f} p99 {row['added_ttft_p99_ms']:7.1f} ms"
+                  f"{'' if row['sustained'] else '  (not sustained)'}", flush=True)
+            if not row["sustained"]:
+                break
+    finally:
+        tier.stop()
+    sustained = [r for r in rows if r["sustained"]]
+    best = max(sustained, key=lambda r: r["offered_rps"]) if sustained else None
+    return dict(routers=n, replicas=args.replicas, rows=rows,
+                sustained_rps=best["completed_rps"] if best else 0.0,
+                sustained_offered_rps=best["offered_rps"] if best else 0.0,
+                added_ttft_p50_ms=best["added_ttft_p50_ms"] if best else None,
+                added_ttft_p99_ms=best["added_ttft_p99_ms"] if best else None)
+
+
+def failover(args, work, model, rate: float) -> dict:
+    n = args.failover_routers
+    tier = Tier(args, work, model, n).start()
+    try:
+        tier.load(min(args.rates), 1.0, seed=999)
+        duration = args.failover_duration
+        result = tier.load(rate, duration, seed=77, kill_at=duration / 3)
+    finally:
+        tier.stop()
+    summary = failover_summary(result, args.window_s)
+    summary.update(routers=n, replicas=args.replicas, offered_rps=rate, duration_s=duration)
+    print(f"failover: {n} routers at {rate:.0f}/s, router 1 killed at {duration / 3:.1f} s: lost "
+          f"{summary['lost']}, duplicated tokens {summary['duplicated_tokens']}, p99 TTFT back to "
+          f"normal after {summary['recovery_s']} s", flush=True)
+    return summary
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--routers", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--replicas", type=int, default=64)
+    p.add_argument("--per-process", type=int, default=16, help="simulated replicas per process")
+    p.add_argument("--profile", default="h200-8b")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--rates", type=float, nargs="+", default=[250, 500, 1000, 1500, 2000, 3000])
+    p.add_argument("--duration", type=float, default=8.0)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--stream-interval", type=int, default=1)
+    p.add_argument("--clients", type=int, default=1, help="load generator processes")
+    p.add_argument("--added-limit-ms", type=float, default=500.0)
+    p.add_argument("--failover-routers", type=int, default=4, help="0: no failover run")
+    p.add_argument("--failover-load", type=float, default=0.7)
+    p.add_argument("--failover-rate", type=float, help="instead of --failover-load x sustained")
+    p.add_argument("--failover-duration", type=float, default=15.0)
+    p.add_argument("--window-s", type=float, default=0.5, help="TTFT p99 windows (failover)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/router_tier.json"))
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from common.tiny_model import build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="router-tier-"))
+    model = build_tiny_model(work / "model")
+    args.vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    tiers = [ladder(args, work, model, n) for n in args.routers]
+    result = dict(command=" ".join(shlex.quote(a) for a in
+                                   [sys.executable, "-m", "benchmarks.router.tier", *(argv or sys.argv[1:])]),
+                  definitions=DEFINITIONS, settings={k: v for k, v in vars(args).items() if k != "out"},
+                  tiers=tiers)
+    if args.failover_routers:
+        rate = args.failover_rate
+        if rate is None:
+            same = [t for t in tiers if t["routers"] == args.failover_routers]
+            base = same[0]["sustained_offered_rps"] if same else max(t["sustained_offered_rps"] for t in tiers)
+            rate = args.failover_load * (base or min(args.rates))
+        result["failover"] = failover(args, work, model, rate)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}; logs in {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""What benchmarks/router/tier.py reports, from the load generator's records
+(tier_load.py): a rate's summary, and a failover run's."""
+
+from __future__ import annotations
+
+from benchmarks.router.overhead import pct
+
+DEFINITIONS = {
+    "completed_rps": "requests completed with their exact output / the arrival window (first to "
+                     "last send)",
+    "sustained": "no request lost, the last one finished within 2 s + 2x the median e2e of the "
+                 "last send (no backlog built up), p99 added TTFT <= --added-limit-ms",
+    "ttft": "client send -> first token at the client",
+    "added_ttft": "client TTFT minus the replica's own share (router's TTFT - scheduling delay: "
+                  "first scheduled on the replica -> its first token at the router): the client "
+                  "and router hops, admission, the queue wait for a seat, the pop and the Assign, "
+                  "and for a request accepted by another router than its replica's, the event "
+                  "stream hop",
+    "lost": "requests that did not finish with the exact simulated output (the rule of "
+            "replica_worker/sim/runner.py)",
+    "duplicated_tokens": "tokens a client stream delivered at an offset it already had",
+    "recovery_s": "failover: from the kill to the start of the first window after which every "
+                  "window's p99 TTFT is within 1.5x (+50 ms) of the p99 before the kill",
+}
+
+
+def _ms(values, q):
+    return pct(values, q) * 1e3 if values else None
+
+
+def _added(rec) -> float | None:
+    if rec.get("ttft") is None or "server_ttft" not in rec:
+        return None
+    return max(0.0, rec["ttft"] - (rec["server_ttft"] - rec["sched_delay"]))
+
+
+def rate_summary(result: dict, added_limit_ms: float) -> dict:
+    recs = result["records"]
+    done = [r for r in recs if r["exact"] and not r["error"]]
+    lost = len(recs) - len(done)
+    first = min((r["sent"] for r in recs), default=0.0)
+    window = max((r["sent"] for r in recs), default=0.0) - first
+    finished = max((r["sent"] + r["end"] for r in done), default=0.0) - first
+    ttft = [r["ttft"] for r in done if r["ttft"] is not None]
+    added = [a for a in map(_added, done) if a is not None]
+    completed_rps = len(done) / window if window > 0 else 0.0
+    row = dict(offered_rps=result["offered_rps"], sent=len(recs), completed=len(done), lost=lost,
+               completed_rps=completed_rps,
+               duplicated_tokens=sum(r["duplicated"] for r in recs),
+               broken_streams=sum(bool(r["broken"]) for r in recs),
+               ttft_p50_ms=_ms(ttft, 0.5), ttft_p99_ms=_ms(ttft, 0.99),
+               added_ttft_p50_ms=_ms(added, 0.5), added_ttft_p99_ms=_ms(added, 0.99),
+               e2e_p50_ms=_ms([r["end"] for r in done], 0.5),
+               e2e_p99_ms=_ms([r["end"] for r in done], 0.99),
+               errors=sorted({r["error"] for r in recs if r["error"]})[:5])
+    drain = 2.0 + 2 * (row["e2e_p50_ms"] or 0.0) / 1e3
+    row["sustained"] = bool(recs) and lost == 0 and finished <= window + drain \
+        and (row["added_ttft_p99_ms"] or 0.0) <= added_limit_ms
+    return row
+
+
+def _window_p99(recs, start: float, width: float) -> float | None:
+    ttft = [r["ttft"] for r in recs if start <= r["sent"] < start + width and r["ttft"] is not None]
+    return pct(ttft, 0.99) if ttft else None
+
+
+def failover_summary(result: dict, window_s: float) -> dict:
+    """Lost and duplicated, and how long p99 TTFT (by send time, windows of
+    window_s) stays above its level before the kill."""
+    recs, kill = result["records"], result["killed_at_s"]
+    summary = rate_summary(result, float("inf"))
+    before = [r["ttft"] for r in recs if r["sent"] < kill and r["ttft"] is not None]
+    normal = pct(before, 0.99) if before else None
+    windows = []
+    t = 0.0
+    end = max((r["sent"] for r in recs), default=0.0)
+    while t <= end:
+        windows.append((t, _window_p99(recs, t, window_s)))
+        t += window_s
+    recovery = None
+    if normal is not None:
+        bound = 1.5 * normal + 0.05
+        after = [(t, p) for t, p in windows if t + window_s > kill]
+        bad = [t for t, p in after if p is None or p > bound]
+        last_bad = max(bad, default=None)
+        recovery = 0.0 if last_bad is None else round(max(0.0, last_bad + window_s - kill), 3)
+    summary.update(killed_at_s=kill, p99_ttft_before_kill_ms=normal * 1e3 if normal else None,
+                   recovery_s=recovery,
+                   ttft_p99_windows_ms=[(round(t, 2), None if p is None else round(p * 1e3, 1))
+                                        for t, p in windows],
+                   requeued=sum(1 for r in recs if r.get("requeues")))
+    return summary

@@ -1,0 +1,219 @@
+"""Two routers in one event loop on one Redis and key prefix, with scripted
+replicas: the cross-router paths one by one (lazy adoption by a pop, output
+delivered through the front's event stream, re-attach at another router,
+cancel across routers, a replica moving between routers, missed events,
+pull affinity with work another router submitted)."""
+
+import asyncio
+import contextlib
+import uuid
+
+from common.pb.quadriga.v1 import generation_pb2 as gpb
+from router.server import RouterApp
+from tests.router.test_prefix_policies import H16, SHARED, with_shared
+from tests.router.test_scheduling import assigned_ids, submit_in_order, wait_until
+from tests.support.router_harness import (Replicas, client, collect, make_config, request,
+                                          running_router, tokens_of)
+from tests.support.scripted_replica import expected_tokens
+
+
+def configs(redis_url, model, count=2, **kw):
+    prefix = f"multi{uuid.uuid4().hex[:6]}:"
+    return [make_config(redis_url, model, redis_prefix=prefix, **kw) for _ in range(count)]
+
+
+@contextlib.asynccontextmanager
+async def two_routers(redis_url, model, **kw):
+    first, second = configs(redis_url, model, **kw)
+    async with running_router(first) as a, running_router(second) as b:
+        yield a, b
+
+
+async def wait_for_remote_replicas(app, n=1):
+    await wait_until(lambda: app.lease.remote_replicas >= n)
+
+
+def test_a_request_accepted_by_one_router_runs_on_a_replica_of_another(redis_url, tiny_model, arun):
+    async def scenario():
+        async with two_routers(redis_url, tiny_model) as (a, b):
+            vocab = a.limits.vocab_size
+            reps = Replicas(b.address, vocab)
+            rep = await reps.add("far", step_delay=0.005)
+            await wait_for_remote_replicas(a)
+            prompts = [[i + 3, 5] for i in range(6)]
+            async with client(a.address) as stub:
+                results = await asyncio.gather(*(collect(stub, request(p, 20)) for p in prompts))
+            for p, msgs in zip(prompts, results):
+                assert tokens_of(msgs) == expected_tokens(p, 20, vocab)
+                assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
+                assert msgs[-1].timings.replica_id == "far"
+                assert msgs[-1].timings.requeues == 0
+            assert len(rep.rec.assignments) == len(prompts) and not rep.rec.cancels
+            await wait_until(lambda: not a.table.requests and not b.table.requests)
+            assert a.events.applied > 0
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_reattach_at_another_router_mid_stream(redis_url, tiny_model, arun):
+    """A second stream of the same request at the other router replays from
+    token 0 and follows it live; both streams get every token once."""
+
+    async def scenario():
+        async with two_routers(redis_url, tiny_model) as (a, b):
+            vocab = a.limits.vocab_size
+            reps = Replicas(a.address, vocab)
+            await reps.add("near", step_delay=0.02)
+            req = request([9, 4], 60, request_id="twice")
+            async with client(a.address) as stub_a, client(b.address) as stub_b:
+                first = asyncio.create_task(collect(stub_a, req))
+                await wait_until(lambda: a.table.get("twice") and len(a.table.get("twice").tokens) >= 5)
+                second = await collect(stub_b, req)
+                assert tokens_of(second) == expected_tokens([9, 4], 60, vocab)
+                assert tokens_of(await first) == expected_tokens([9, 4], 60, vocab)
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_cancel_at_the_front_cancels_on_the_other_routers_replica(redis_url, tiny_model, arun):
+    async def scenario():
+        async with two_routers(redis_url, tiny_model) as (a, b):
+            vocab = a.limits.vocab_size
+            reps = Replicas(b.address, vocab)
+            rep = await reps.add("far", hold_on_finish=True)
+            await wait_for_remote_replicas(a)
+            async with client(a.address) as stub:
+                task = asyncio.create_task(collect(stub, request([2], 5, request_id="doomed")))
+                await wait_until(lambda: rep.rec.assignments)
+                assert (await stub.Cancel(gpb.CancelRequest(request_id="doomed"))).cancelled
+                msgs = await task
+            assert msgs[-1].finish_reason == gpb.FINISH_REASON_CANCELLED
+            await wait_until(lambda: rep.rec.cancels == ["doomed"])
+            await wait_until(lambda: b.table.get("doomed") is None)
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_a_replica_moving_to_another_router_keeps_its_work(redis_url, tiny_model, arun):
+    """The replica's router stops; the replica registers with the other one,
+    which adopts what it runs: the clients there see no break and every token
+    once. (A scripted replica does not resend deltas the stopped router never
+    read, so a request whose last deltas were in flight then resumes from what
+    Redis recorded; the real worker resends them: tests/e2e/test_multi_router.py.)"""
+
+    async def scenario():
+        first, second = configs(redis_url, tiny_model, lease_ttl=10.0)
+        a = RouterApp(first)
+        await a.start()
+        a_address = f"127.0.0.1:{a.port}"
+        async with running_router(second) as b:
+            vocab = b.limits.vocab_size
+            reps = Replicas(f"{a_address},{b.address}", vocab)
+            rep = await reps.add("mover", step_delay=0.03, reconnect=True, capacity=4)
+            await wait_for_remote_replicas(b)
+            prompts = [[i + 1, 8] for i in range(6)]
+            async with client(b.address) as stub:
+                tasks = [asyncio.create_task(collect(stub, request(p, 40))) for p in prompts]
+                await wait_until(lambda: len(rep.running) == 4 and rep.steps >= 5)
+                await a.stop(grace=0.2)
+                results = await asyncio.gather(*tasks)
+            for p, msgs in zip(prompts, results):
+                assert tokens_of(msgs) == expected_tokens(p, 40, vocab)
+                assert msgs[-1].timings.replica_id == "mover"
+            assert len(rep.rec.registered) == 2
+            assert len(rep.rec.registered[1].keep_request_ids) == 4, "B adopts all four"
+            requeued = {x.labels["reason"] for x in b.metrics.requeues.collect()[0].samples
+                        if x.name.endswith("_total") and x.value}
+            assert requeued <= {"diverged"}
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_missed_events_are_read_back_from_redis(redis_url, tiny_model, arun):
+    """The front loses every other output event (as when its stream was trimmed
+    past what it had read): each gap makes it reload the request, and its
+    clients still get every token once."""
+
+    async def scenario():
+        async with two_routers(redis_url, tiny_model) as (a, b):
+            vocab = a.limits.vocab_size
+            apply, seen = a.events.apply, [0]
+
+            def lossy(fields):
+                seen[0] += 1
+                if fields.get("k") == b"d" and seen[0] % 2:
+                    return
+                apply(fields)
+
+            a.events.apply = lossy
+            reps = Replicas(b.address, vocab)
+            await reps.add("far", step_delay=0.01)
+            await wait_for_remote_replicas(a)
+            prompts = [[i + 7, 1] for i in range(4)]
+            async with client(a.address) as stub:
+                results = await asyncio.gather(*(collect(stub, request(p, 30)) for p in prompts))
+            for p, msgs in zip(prompts, results):
+                assert tokens_of(msgs) == expected_tokens(p, 30, vocab)
+                assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_per_replica_policies_balance_per_router_and_share_the_queue(redis_url, tiny_model, arun):
+    """round_robin with two routers: router A rotates its arrivals over its own
+    two replicas; router B has no replica, so its arrivals wait in the shared
+    queue and A's replicas take them once their own queues are empty."""
+
+    async def scenario():
+        async with two_routers(redis_url, tiny_model, policy="round_robin") as (a, b):
+            vocab = a.limits.vocab_size
+            reps = Replicas(a.address, vocab)
+            r0 = await reps.add("r0", step_delay=0.005)
+            r1 = await reps.add("r1", step_delay=0.005)
+            await wait_for_remote_replicas(b, 2)
+            prompts = [[i + 2, 3] for i in range(8)]
+            async with client(a.address) as stub_a, client(b.address) as stub_b:
+                results = await asyncio.gather(*(collect(stub_a if i < 4 else stub_b, request(p, 10))
+                                                 for i, p in enumerate(prompts)))
+            for p, msgs in zip(prompts, results):
+                assert tokens_of(msgs) == expected_tokens(p, 10, vocab)
+            assert {m[-1].timings.replica_id for m in results[:4]} == {"r0", "r1"}
+            assert len(r0.rec.assignments) + len(r1.rec.assignments) == len(prompts)
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_pull_affinity_takes_the_head_another_router_submitted(redis_url, tiny_model, arun):
+    """B's replica holds the prefix of B's newest request; an older request
+    accepted by A (which has no replica) leads the shared queue. B's policy sees
+    only B's requests, so its named pop takes from the head instead: A's request
+    first (adopted from its record), then B's by cache, ahead of B's older one."""
+
+    async def scenario():
+        async with two_routers(redis_url, tiny_model, pull_affinity_wait_weight=0.0) as (a, b):
+            vocab = b.limits.vocab_size
+            reps = Replicas(b.address, vocab)
+            r1 = await reps.add("r1", auto_pull=False, prefix_cache=True, cached=tuple(H16.hashes(SHARED)))
+            await wait_for_remote_replicas(a)
+            async with client(a.address) as stub_a, client(b.address) as stub_b:
+                tasks = await submit_in_order(a, stub_a, [request([7] * 30, 4, request_id="theirs")])
+                tasks += await submit_in_order(b, stub_b, [
+                    request([6] * 30, 4, request_id="cold_mine"),
+                    request(with_shared([9]), 4, request_id="warm_mine")])
+                for n in range(1, 4):
+                    r1.pull(1)
+                    await wait_until(lambda: len(assigned_ids(r1)) == n)
+                results = await asyncio.gather(*tasks)
+            assert assigned_ids(r1) == ["theirs", "warm_mine", "cold_mine"]
+            assert tokens_of(results[0]) == expected_tokens([7] * 30, 4, vocab)
+            assert b.metrics.registry.get_sample_value("quadriga_pull_picks_total",
+                                                       {"reason": "affinity"}) == 1
+            await reps.close()
+
+    arun(scenario())
