@@ -99,10 +99,11 @@ def test_simulated_replicas_report_their_prefix_cache_to_the_router(redis_url, t
                                                           {"replica": "cache"})
             for w in (caching, plain):
                 w.begin_drain()
-            await asyncio.wait_for(asyncio.gather(task, plain_task), 20)
+            # Past the drain timeout (30 s): a drain that waits for an Ack still ends.
+            await asyncio.wait_for(asyncio.gather(task, plain_task), 45)
             return cached, views, rate, gauge
 
-    cached, views, rate, gauge = arun(scenario(), timeout=90)
+    cached, views, rate, gauge = arun(scenario(), timeout=120)
     assert rate is not None and rate > 0 and gauge == rate
     assert len(cached) >= 4, "the shared 64 tokens and more are cached"
     assert views == (True, False)
