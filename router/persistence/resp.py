@@ -28,6 +28,11 @@ class ReplyError(Exception):
     pass
 
 
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.reader = hiredis.Reader()
@@ -142,10 +147,9 @@ class LeanRedis:
                 self._connecting = None
         return self._proto
 
-    async def _round_trip(self, proto: _Protocol, commands) -> list:
-        """Sends every command in one write and waits for all replies, within the deadline."""
-        if not commands:
-            return []
+    def _send(self, proto: _Protocol, commands) -> list[asyncio.Future]:
+        """Writes every command at once; one future per reply, in order. One
+        timer covers them all: a stalled server fails every call sent with them."""
         loop = asyncio.get_running_loop()
         futures = []
         for _ in commands:
@@ -153,17 +157,24 @@ class LeanRedis:
             proto.waiters.append(fut)
             futures.append(fut)
         proto.transport.write(b"".join(hiredis.pack_command(c) for c in commands))
-        # One timer for the whole round trip: a stalled server fails every call in it.
         timer = loop.call_later(self.timeout, proto.abort, TimeoutError)
-        try:
-            return [await fut for fut in futures]
-        except BaseException:
-            for fut in futures:  # every one failed together: mark them all retrieved
-                if fut.done() and not fut.cancelled():
-                    fut.exception()
-            raise
-        finally:
-            timer.cancel()
+        futures[-1].add_done_callback(lambda _: timer.cancel())
+        for fut in futures:  # they fail together: none is left unretrieved
+            fut.add_done_callback(_retrieve)
+        return futures
+
+    async def _round_trip(self, proto: _Protocol, commands) -> list:
+        """Sends every command in one write and waits for all replies, within the deadline."""
+        if not commands:
+            return []
+        return [await fut for fut in self._send(proto, commands)]
+
+    async def send(self, commands) -> list[asyncio.Future]:
+        """Sends now and returns the replies' futures without waiting for them,
+        so a caller may send again before they come: the one connection keeps
+        the order. A future fails with ConnectionError or TimeoutError."""
+        proto = await self._conn()
+        return self._send(proto, commands) if commands else []
 
     async def execute_many(self, commands) -> list:
         """Replies in order; a command's error reply comes back as a ReplyError instance."""

@@ -2,14 +2,19 @@
 
 Writes are queued in the order the router's memory changed and flushed by one
 task: everything pending (up to a batch) goes in one pipelined round trip, and
-consecutive calls of one script merge into one call. Redis applies them in
-that order, so Redis always holds a prefix of the router's history.
+consecutive calls of one script merge into one call. Up to `max_in_flight`
+batches are out at once, so a write queued while a batch awaits its replies
+(a pop behind a step write) is sent at once instead of a round trip later;
+under load the window is full and writes gather into large batches. One
+connection carries them all, so Redis applies them in order, and Redis
+always holds a prefix of the router's history.
 
 Failure model:
 - every round trip has a deadline (`timeout`); a missed deadline or a lost
-  connection fails the attempt, the connection is dropped and the same batch
-  is sent again, with backoff, until it succeeds. Scripts are idempotent
-  (lua.py), so a batch that ran before its reply was lost runs again safely.
+  connection fails the attempt, the connection is dropped and every batch
+  from the failed one on is sent again, in order, with backoff, until it
+  succeeds. Scripts are idempotent (lua.py), so a batch that ran before its
+  reply was lost runs again safely.
 - nothing accepted is dropped: a write is never failed for a transient fault.
   `accepting()` tells new work (submits) to go away instead: past a bound on
   pending submits, or while Redis has not answered for a whole deadline.
@@ -33,6 +38,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+import hiredis
 
 from router.persistence.resp import LeanRedis, ReplyError, Script
 
@@ -69,8 +76,10 @@ class PermanentWriteError(RuntimeError):
 
 class RedisWriter:
     def __init__(self, client: LeanRedis, *, max_pending_submits: int, stall_after: float,
-                 max_batch: int = 512, on_stall: Callable[[bool], None] | None = None):
+                 max_batch: int = 512, max_in_flight: int = 2,
+                 on_stall: Callable[[bool], None] | None = None):
         self.client = client
+        self.max_in_flight = max_in_flight
         self.max_pending_submits = max_pending_submits
         self.stall_after = stall_after
         self.max_batch = max_batch
@@ -81,7 +90,11 @@ class RedisWriter:
         self.on_fenced: Callable[[str], None] = lambda reason: None
         self.failing_since: float | None = None   # monotonic time of the first failed attempt
         self.stalled = False
+        # Every write not yet durable, in order; the first _unsent_from are in
+        # the flights (sent batches awaiting replies, oldest first).
         self._pending: collections.deque[Write] = collections.deque()
+        self._unsent_from = 0
+        self._flights: collections.deque[_Flight] = collections.deque()
         self._pending_submits = 0
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -126,6 +139,11 @@ class RedisWriter:
     def pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def in_flight(self) -> int:
+        """Batches sent and awaiting their replies."""
+        return len(self._flights)
+
     async def drain(self, timeout: float) -> bool:
         """Waits until everything queued so far is durable; False on timeout."""
         try:
@@ -144,86 +162,72 @@ class RedisWriter:
     async def _run(self) -> None:
         backoff = 0.05
         while not self.fenced:
-            if not self._pending:
+            if self._unsent_from < len(self._pending) and len(self._flights) < self.max_in_flight:
+                await self._start_next()
+                continue
+            if not self._flights:
                 self._idle.set()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch = [self._pending[i] for i in range(min(len(self._pending), self.max_batch))]
-            started = time.monotonic()
-            self._arm_stall_timer()
+            flight = self._flights[0]
+            if not flight.done():
+                self._wake.clear()
+                await self._wake.wait()   # its last reply, or a new write for the window
+                continue
+            self._flights.popleft()
             try:
-                replies = await self._send(batch)
-            except asyncio.CancelledError:
-                raise
-            except _Fenced as exc:
-                self._fail_all(PermanentWriteError(str(exc)))
-                self.fenced = True
-                log.error("%s: this router writes no more and starts over", exc)
-                self.on_fenced(str(exc))
-                return
-            except Exception as exc:  # connection, deadline, a transient reply: never fatal here
-                if self.failing_since is None:
-                    self.failing_since = started
-                    log.warning("Redis write failed (%s: %s); retrying until Redis answers",
-                                type(exc).__name__, exc)
+                replies = flight.replies()
+            except (_Fenced, _Failed) as exc:
+                if self._failed(flight, exc):
+                    return
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
                 continue
-            for _ in batch:
+            for _ in flight.batch:
                 w = self._pending.popleft()
                 if w.bounded:
                     self._pending_submits -= 1
+            self._unsent_from -= len(flight.batch)
             if self.failing_since is not None:
                 log.warning("Redis answers again after %.1f s", time.monotonic() - self.failing_since)
             self.failing_since = None
             backoff = 0.05
-            self._settle_stall(time.monotonic() - started)
-            self._complete(batch, replies)
+            self._settle_stall(time.monotonic() - flight.started)
+            self._complete(flight.batch, replies)
 
-    async def _send(self, batch: list[Write]) -> list:
-        """Sends a batch; returns one reply (or ReplyError) per write."""
-        commands, spans = [], []   # spans[i]: (command index, first item) of batch[i]; None: barrier
-        last_key = None
-        for w in batch:
-            if w.script is None and not w.items:
-                spans.append(None)
-                continue
-            key = (w.script.sha, w.header, w.numkeys) if w.mergeable else None
-            if key is not None and key == last_key:
-                cmd = commands[-1]
-                spans.append((len(commands) - 1, cmd[1]))
-                cmd[1] += len(w.items) // w.item_args
-                cmd[2].extend(w.items)
-            else:
-                commands.append([w, len(w.items) // w.item_args if w.mergeable else 0, list(w.items)])
-                spans.append((len(commands) - 1, 0))
-            last_key = key
-        wire = []
-        for first, _, items in commands:
-            if first.script is None:
-                wire.append(tuple(items))
-            else:
-                wire.append(first.script.command([*first.header, *items, *self.fence], first.numkeys))
-        self.round_trips += 1
-        replies = await self.client.execute_many(wire) if wire else []
-        for reply in replies:
-            if isinstance(reply, ReplyError) and str(reply).startswith("FENCED"):
-                raise _Fenced(str(reply))
-            if isinstance(reply, ReplyError) and str(reply).startswith(TRANSIENT_REPLIES):
-                raise _TransientReply(str(reply))
-        out = []
-        for w, span in zip(batch, spans):
-            if span is None:
-                out.append(None)
-                continue
-            index, first_item = span
-            reply = replies[index]
-            if w.mergeable and w.reply_arity > 0 and not isinstance(reply, ReplyError):
-                n = len(w.items) // w.item_args
-                reply = reply[first_item * w.reply_arity:(first_item + n) * w.reply_arity]
-            out.append(reply)
-        return out
+    async def _start_next(self) -> None:
+        """Sends the next batch of unsent writes, without waiting for its replies."""
+        first = self._unsent_from
+        batch = [self._pending[i] for i in range(first, min(len(self._pending), first + self.max_batch))]
+        self._unsent_from += len(batch)
+        flight = _Flight(batch, time.monotonic())
+        self._flights.append(flight)
+        self._arm_stall_timer()
+        wire = flight.encode(self.fence)
+        self.round_trips += bool(wire)
+        try:
+            flight.futures = await self.client.send(wire)
+        except Exception as exc:  # could not connect: the flight fails as its replies would
+            flight.error = exc
+        if flight.futures:
+            flight.futures[-1].add_done_callback(lambda _: self._wake.set())
+
+    def _failed(self, flight: "_Flight", exc: Exception) -> bool:
+        """A flight failed: every later one is discarded and all are sent again,
+        in order, after a backoff (the scripts are idempotent). True when fenced."""
+        self._flights.clear()
+        self._unsent_from = 0
+        if isinstance(exc, _Fenced):
+            self._fail_all(PermanentWriteError(str(exc)))
+            self.fenced = True
+            log.error("%s: this router writes no more and starts over", exc)
+            self.on_fenced(str(exc))
+            return True
+        if self.failing_since is None:
+            self.failing_since = flight.started
+            log.warning("Redis write failed (%s); retrying until Redis answers", exc)
+        return False
 
     def _fail_all(self, error: Exception) -> None:
         while self._pending:
@@ -273,9 +277,73 @@ class RedisWriter:
                 self.on_stall(False)
 
 
-class _TransientReply(Exception):
-    pass
+class _Failed(Exception):
+    """A flight's connection, deadline or a transient reply failed it."""
 
 
 class _Fenced(Exception):
     pass
+
+
+class _Flight:
+    """One sent batch: its writes, the commands they became (consecutive calls
+    of one script merged) and the replies' futures."""
+
+    def __init__(self, batch: list[Write], started: float):
+        self.batch = batch
+        self.started = started
+        self.spans: list = []    # per write: (command index, first item); None: a barrier
+        self.futures: list[asyncio.Future] = []
+        self.error: Exception | None = None
+
+    def encode(self, fence: tuple) -> list:
+        commands, last_key = [], None
+        for w in self.batch:
+            if w.script is None and not w.items:
+                self.spans.append(None)
+                continue
+            key = (w.script.sha, w.header, w.numkeys) if w.mergeable else None
+            if key is not None and key == last_key:
+                cmd = commands[-1]
+                self.spans.append((len(commands) - 1, cmd[1]))
+                cmd[1] += len(w.items) // w.item_args
+                cmd[2].extend(w.items)
+            else:
+                commands.append([w, len(w.items) // w.item_args if w.mergeable else 0, list(w.items)])
+                self.spans.append((len(commands) - 1, 0))
+            last_key = key
+        return [tuple(items) if first.script is None else
+                first.script.command([*first.header, *items, *fence], first.numkeys)
+                for first, _, items in commands]
+
+    def done(self) -> bool:
+        return self.error is not None or all(f.done() for f in self.futures[-1:])
+
+    def replies(self) -> list:
+        """One reply (or ReplyError) per write; raises _Fenced or _Failed."""
+        if self.error is not None:
+            raise _Failed(f"{type(self.error).__name__}: {self.error}")
+        replies = []
+        for fut in self.futures:
+            exc = fut.exception()
+            if exc is not None:
+                raise _Failed(f"{type(exc).__name__}: {exc}")
+            reply = fut.result()
+            replies.append(ReplyError(str(reply)) if isinstance(reply, hiredis.ReplyError) else reply)
+        for reply in replies:
+            if isinstance(reply, ReplyError) and str(reply).startswith("FENCED"):
+                raise _Fenced(str(reply))
+            if isinstance(reply, ReplyError) and str(reply).startswith(TRANSIENT_REPLIES):
+                raise _Failed(f"transient reply: {reply}")
+        out = []
+        for w, span in zip(self.batch, self.spans):
+            if span is None:
+                out.append(None)
+                continue
+            index, first_item = span
+            reply = replies[index]
+            if w.mergeable and w.reply_arity > 0 and not isinstance(reply, ReplyError):
+                n = len(w.items) // w.item_args
+                reply = reply[first_item * w.reply_arity:(first_item + n) * w.reply_arity]
+            out.append(reply)
+        return out
