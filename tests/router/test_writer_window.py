@@ -5,22 +5,11 @@ effect. Real Redis, with a TCP proxy to hold or break the connection."""
 
 import asyncio
 
-import pytest
-
 from router.persistence.store import Store
 from router.persistence.writer import RedisWriter
 from tests.router.test_lua import pop, submit
 from tests.router.test_scheduling import wait_until
-from tests.support.fault_proxy import FaultProxy
-
-
-@pytest.fixture
-def proxy(redis_server):
-    redis_server.flushall()
-    p = FaultProxy(redis_server.port).start()
-    yield p
-    p.release()
-    p.stop()
+from tests.router.test_redis_faults import proxy  # noqa: F401  (the fixture)
 
 
 async def started(proxy, window=2):
