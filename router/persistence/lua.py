@@ -90,7 +90,9 @@ SUBMIT_REPLY_ITEMS = 3
 # the queue are dropped.
 # -> 5 per request: id, assignment count, requeues, output tokens so far, and
 #    its whole record (record_) when the caller is not one of its fronts (it
-#    may not hold it: lazy adoption), else ''.
+#    may not hold it: lazy adoption), else ''; then the members left in the
+#    queue (stale ones too, so 0 proves it empty): a pop that emptied the queue
+#    spares the other pullers a pop that would find nothing.
 _POP_PRELUDE = """
 local prefix, replica = ARGV[1], ARGV[2]
 local done = prefix .. 'pop:' .. ARGV[5]
@@ -142,6 +144,7 @@ local function reply()
     out[#out + 1] = math.floor(redis.call('STRLEN', prefix .. 'out:' .. id) / 4)
     if mine then out[#out + 1] = '' else out[#out + 1] = record_(id) end
   end
+  out[#out + 1] = redis.call('ZCARD', KEYS[1])
   return out
 end
 """

@@ -15,7 +15,8 @@ Helpers (every script's ARGV[1] is the key prefix):
                       (P ev:<r>, MAXLEN ~ EVENTS_MAXLEN)
   fronts_(h)          the routers holding client streams of request hash h
                       (its 'fe' field, ids separated by spaces)
-  tell_fronts_(h, .)  emit_ to each live front other than the caller
+  other_fronts_(h)    the live fronts of h other than the caller
+  tell_fronts_(h, .)  emit_ to each of them
   kick_()             tell every other live router the shared queue has work
   record_(id)         a request as one flat list: its hash's field/value pairs,
                       then _out, _txt, _lp (its output so far)
@@ -53,10 +54,15 @@ local function fronts_(h)
   for r in string.gmatch(redis.call('HGET', h, 'fe') or '', '[^ ]+') do out[#out + 1] = r end
   return out
 end
-local function tell_fronts_(h, ...)
+local function other_fronts_(h)
+  local out = {}
   for _, r in ipairs(fronts_(h)) do
-    if r ~= router_ and live_(r) then emit_(r, ...) end
+    if r ~= router_ and live_(r) then out[#out + 1] = r end
   end
+  return out
+end
+local function tell_fronts_(h, ...)
+  for _, r in ipairs(other_fronts_(h)) do emit_(r, ...) end
 end
 local function kick_()
   for _, r in ipairs(redis.call('ZRANGEBYSCORE', p_ .. 'routers', now_, '+inf')) do
@@ -81,14 +87,18 @@ end
 # reloads the request.
 FINISH_EVENT = """
 local function finish_event_(h, id)
+  local others = other_fronts_(h)
+  if #others == 0 then return end   -- the usual case: the caller is the only front
   local f = redis.call('HMGET', h, 'fr', 'err', 'rep', 'fin', 'pre', 'asg', 'rq', 'ft', 'fs', 'ct', 'n')
-  tell_fronts_(h, 'k', 'd', 'id', id, 'n', f[11] or '0',
-    'o', redis.call('STRLEN', p_ .. 'out:' .. id), 't', '',
-    'xo', redis.call('STRLEN', p_ .. 'txt:' .. id), 'x', '',
-    'lo', redis.call('STRLEN', p_ .. 'lp:' .. id), 'l', '',
-    'f', '1', 'fr', f[1] or '', 'err', f[2] or '', 'rep', f[3] or '', 'fin', f[4] or '',
-    'pre', f[5] or '', 'asg', f[6] or '', 'rq', f[7] or '', 'ft', f[8] or '', 'fs', f[9] or '',
-    'ct', f[10] or '')
+  for _, r in ipairs(others) do
+    emit_(r, 'k', 'd', 'id', id, 'n', f[11] or '0',
+      'o', redis.call('STRLEN', p_ .. 'out:' .. id), 't', '',
+      'xo', redis.call('STRLEN', p_ .. 'txt:' .. id), 'x', '',
+      'lo', redis.call('STRLEN', p_ .. 'lp:' .. id), 'l', '',
+      'f', '1', 'fr', f[1] or '', 'err', f[2] or '', 'rep', f[3] or '', 'fin', f[4] or '',
+      'pre', f[5] or '', 'asg', f[6] or '', 'rq', f[7] or '', 'ft', f[8] or '', 'fs', f[9] or '',
+      'ct', f[10] or '')
+  end
 end
 """
 

@@ -201,12 +201,17 @@ class Store:
     @staticmethod
     def popped(reply) -> list["Popped"]:
         out = []
-        for i in range(0, len(reply), lua.POP_REPLY_ITEMS):
+        for i in range(0, len(reply) - 1, lua.POP_REPLY_ITEMS):
             rid, n, rq, out_len, rec = reply[i:i + lua.POP_REPLY_ITEMS]
             rid = rid.decode()
             out.append(Popped(rid, int(n), int(rq), int(out_len),
                               record_from_flat(rid, rec) if rec else None))
         return out
+
+    @staticmethod
+    def left_after_pop(reply) -> int:
+        """Members left in the popped queue once the pop ran (0: it is empty)."""
+        return int(reply[-1])
 
     def step(self, items: list) -> Write:
         """items: 17 per delta (lua.STEP); reply: per delta 1 written, 0 dropped."""

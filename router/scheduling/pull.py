@@ -55,9 +55,9 @@ class PullScheduler:
         self._retry: asyncio.TimerHandle | None = None
         self._pop_ids = itertools.count()
         self._pop_prefix = uuid.uuid4().hex[:12]
-        self._shared_work = True   # the shared queue may hold work (cleared by an empty pop)
+        self._shared_work = True   # the shared queue may hold work (cleared by a pop that empties it)
         # Replicas whose own queue may hold work this router does not hold (placed by
-        # an earlier router); cleared by an empty pop.
+        # an earlier router); cleared by a pop that empties it.
         self._own_work: set[str] = set()
         self.paused = False
 
@@ -240,9 +240,15 @@ class PullScheduler:
         credit = self._credit[session.id]
         pop, reasons = self._pop(session, queue, credit)
         named = reasons is not None
-        if queue == PENDING and not named:
+        if queue == PENDING:
             self._shared_work = False   # an arrival during the pop sets it again
-        popped = self.store.popped(await self.writer.call(pop))
+        reply = await self.writer.call(pop)
+        popped, left = self.store.popped(reply), self.store.left_after_pop(reply)
+        if left:   # more waits (or this puller's credit ran out): the next puller pops
+            if queue == PENDING:
+                self._shared_work = True
+        elif queue != PENDING:
+            self._own_work.discard(session.id)
         if not popped:
             if named:
                 return False   # its picks went elsewhere meanwhile: proves nothing about the queue
@@ -250,8 +256,6 @@ class PullScheduler:
                 self._own_work.discard(session.id)
                 return self._shared_work   # the shared queue is next
             return False
-        if queue == PENDING:
-            self._shared_work = True
         taken = await self._take(session, popped)
         for req in taken:
             if self._credit.get(session.id) is credit:

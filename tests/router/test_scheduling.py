@@ -204,3 +204,31 @@ def test_stream_interval_coalesces(redis_url, tiny_model, arun):
             await reps.close()
 
     arun(scenario())
+
+
+def test_a_pop_that_empties_the_shared_queue_spares_the_other_pullers_a_pop(redis_url, tiny_model, arun):
+    """Each request alone in the queue costs one pop, not one per idle puller: the pop
+    says how many are left, so the others do not pop a queue known to be empty."""
+
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            vocab = app.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            for name in ("a", "b", "c"):
+                await reps.add(name)
+            pops = []
+            store_pop = app.scheduler.store.pop
+
+            def counted(*args, **kw):
+                pops.append(args[1])
+                return store_pop(*args, **kw)
+
+            app.scheduler.store.pop = counted
+            async with client(app.address) as stub:
+                for i in range(6):
+                    out = await collect(stub, request([i + 1, 2], 2, request_id=f"s{i}"))
+                    assert tokens_of(out) == expected_tokens([i + 1, 2], 2, vocab)
+            assert len(pops) == 6, pops
+            await reps.close()
+
+    arun(scenario())
