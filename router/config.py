@@ -40,6 +40,7 @@ class RouterConfig:
     submit_timeout: float = 5.0        # a new request waits this long to be stored, then UNAVAILABLE
     max_pending_submits: int = 10_000  # submits waiting for Redis before new ones get UNAVAILABLE
     stall_after: float = 0.5           # Redis slower than this: clients are served from memory
+    redis_max_in_flight: int = 2       # write batches sent before the first one's replies are back
     shutdown_timeout: float = 5.0      # on SIGTERM: time to make pending writes durable
     max_requeues: int = 8              # a request moved this often between replicas fails
     tokenizer_threads: int = 2
@@ -83,8 +84,8 @@ class RouterConfig:
             problems.append("stream_interval must lie in [1, 4096]")
         if self.submit_timeout < self.redis_timeout:
             problems.append("submit_timeout must be at least redis_timeout")
-        if self.max_pending_submits < 1 or self.max_requeues < 1:
-            problems.append("max_pending_submits and max_requeues must be at least 1")
+        if self.max_pending_submits < 1 or self.max_requeues < 1 or self.redis_max_in_flight < 1:
+            problems.append("max_pending_submits, max_requeues and redis_max_in_flight must be at least 1")
         if self.tokenizer_threads < 1:
             problems.append("tokenizer_threads must be at least 1")
         problems += _affinity_problems(self)

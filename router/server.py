@@ -67,7 +67,8 @@ class RouterApp:
         self.store = Store(config.redis_url, config.redis_prefix, config.result_ttl,
                            config.redis_timeout)
         self.writer = RedisWriter(self.store.lean, max_pending_submits=config.max_pending_submits,
-                                  stall_after=config.stall_after, on_stall=self._on_stall)
+                                  stall_after=config.stall_after,
+                                  max_in_flight=config.redis_max_in_flight, on_stall=self._on_stall)
         self.table = RequestTable(self.store, self.writer, self.metrics, lease_ttl=config.lease_ttl,
                                   max_requeues=config.max_requeues)
         self.registry = Registry()

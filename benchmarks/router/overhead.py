@@ -154,6 +154,9 @@ def parse_args(argv=None):
     p.add_argument("--compare", metavar="TREE",
                    help="also run the router of another checkout, side by side in this run "
                         "(ABAB, --repeats times each), e.g. a git worktree of an older commit")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                   help="also run this tree's router with extra arguments, side by side, "
+                        "e.g. window1='--redis-max-in-flight 1' (repeatable)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/router_overhead.json"))
     p.add_argument("--profile", help="py-spy record the router during each rate into this "
@@ -222,12 +225,12 @@ def measure(args, router, address: str, mport: int, r, vocab: int, rate: float,
     return row
 
 
-def run_side(args, work: Path, name: str, tree: Path) -> list[dict]:
+def run_side(args, work: Path, name: str, tree: Path, extra: list[str]) -> list[dict]:
     import redis
 
     rows = []
-    with LocalRouter(work, replicas=args.replicas, router_args=["--heartbeat-interval", "0.5"],
-                     router_tree=tree) as lr:
+    with LocalRouter(work, replicas=args.replicas,
+                     router_args=["--heartbeat-interval", "0.5", *extra], router_tree=tree) as lr:
         warm_up(lr.grpc_address)
         r = redis.Redis.from_url(lr.redis_url)
         for output_tokens in args.output_tokens:
@@ -265,13 +268,16 @@ def main(argv=None) -> int:
     if args.client:
         return client_main(args)
     work = Path(tempfile.mkdtemp(prefix="router-bench-"))
-    sides = [("current", ROOT)]
+    sides = [("current", ROOT, [])]
+    for variant in args.variant:
+        name, _, extra = variant.partition("=")
+        sides.append((name, ROOT, shlex.split(extra)))
     if args.compare:
-        sides.append(("baseline", Path(args.compare).resolve()))
+        sides.append(("baseline", Path(args.compare).resolve(), []))
     rows = []
     for repeat in range(args.repeats):
-        for name, tree in sides:
-            rows += run_side(args, work / f"{name}-{repeat}", name, tree)
+        for name, tree, extra in sides:
+            rows += run_side(args, work / f"{name}-{repeat}", name, tree, extra)
     result = {
         "command": " ".join(shlex.quote(a) for a in [
             "flock", "/tmp/quadriga-bench.lock", ".venv/bin/python", "-m",
@@ -280,13 +286,13 @@ def main(argv=None) -> int:
                    "the load generator (one process, one channel) share them",
         "workload": "16-token prompts, output_tokens greedy tokens each, replicas answer at once "
                     "(one StepOutputs per step for all their requests); Poisson arrivals",
-        "sides": {name: str(tree) for name, tree in sides},
+        "sides": {name: " ".join([str(tree), *extra]) for name, tree, extra in sides},
         "definitions": DEFINITIONS,
         "duration_s": args.duration,
         "rows": rows,
     }
     if args.compare:
-        result["baseline_commit"] = tree_commit(sides[1][1])
+        result["baseline_commit"] = tree_commit(sides[-1][1])
     result["commit"] = tree_commit(ROOT)
     if not args.profile:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

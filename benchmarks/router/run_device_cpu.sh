@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The router's CPU benchmarks on the H200 host's 16 cores (no GPU used), from a plain
 # copy of the tree and a carry made by prepare-device-cpu-carry.sh:
-#   bash benchmarks/router/run_device_cpu.sh CARRY OUT overhead   # this router beside .baseline's  (RATES="250 500 1000", REPEATS=3 for more)
+#   bash benchmarks/router/run_device_cpu.sh CARRY OUT overhead   # this router beside .baseline's  (RATES="250 500 1000", REPEATS=3 for more,
+#                                                                  # VARIANT="name=router args" for this router with other settings too)
 #   bash benchmarks/router/run_device_cpu.sh CARRY OUT peers      # HTTP path beside sglang/vllm-router
 # Each phase stays under the device's 10 minutes a call; JSONs land in OUT.
 set -uo pipefail
@@ -15,7 +16,7 @@ case "$phase" in
   overhead)
     [ -d .baseline/router ] || { echo "no .baseline/ (git archive of the commit to compare with)"; exit 2; }
     timeout 560 python3 -m benchmarks.router.overhead --compare .baseline --rates ${RATES:-500} \
-        --output-tokens 1 64 --repeats ${REPEATS:-2} --duration 5 --out "$out/router_overhead_device.json" ;;
+        --output-tokens 1 64 --repeats ${REPEATS:-2} --duration 5 ${VARIANT:+--variant "$VARIANT"} --out "$out/router_overhead_device.json" ;;
   peers)
     timeout 560 python3 -m benchmarks.router.peers --peers-site "$QUADRIGA_PEERS_SITE" --mock-workers 4 \
         --repeats 3 --duration 5 --profile-dir "$out/profile" --machine-note "$note" \
