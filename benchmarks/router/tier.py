@@ -99,21 +99,23 @@ class Tier:
         """One open-loop run, split over --clients load generator processes;
         with kill_at, router 1 is SIGKILLed that many seconds in."""
         a, k = self.args, self.args.clients
+        outs = [self.work / f"load-{seed}-{i}.json" for i in range(k)]
         gens = [subprocess.Popen(
             [sys.executable, "-m", "benchmarks.router.tier_load", "--routers", ",".join(self.addresses),
              "--rate", str(rate / k), "--duration", str(duration), "--vocab", str(a.vocab),
              "--output-tokens", str(a.output_tokens), "--stream-interval", str(a.stream_interval),
-             "--seed", str(seed * 100 + i), "--first-index", str(i * 10_000_000)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True) for i in range(k)]
+             "--seed", str(seed * 100 + i), "--first-index", str(i * 10_000_000),
+             "--out", str(outs[i])],
+            cwd=ROOT, stdout=self.log, stderr=self.log) for i in range(k)]
         if kill_at is not None:
             time.sleep(kill_at)
             self.routers[1 % self.n].send_signal(signal.SIGKILL)
         records = []
-        for gen in gens:
-            out, _ = gen.communicate()
-            if gen.returncode != 0:
+        for gen, path in zip(gens, outs):
+            if gen.wait() != 0:
                 raise SystemExit(f"load generator failed; see {self.log.name}")
-            records += json.loads(out.strip().splitlines()[-1])["records"]
+            records += json.loads(path.read_text())["records"]
+            path.unlink()
         return dict(offered_rps=rate, records=records, killed_at_s=kill_at)
 
     def stop(self) -> None:

@@ -18,6 +18,7 @@ import asyncio
 import json
 import random
 import time
+from pathlib import Path
 
 from client.api import FailoverStream, make_request, parse_routers
 
@@ -99,13 +100,16 @@ def main(argv=None) -> int:
     p.add_argument("--stream-interval", type=int, default=1)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--first-index", type=int, default=0, help="request ids start here")
+    p.add_argument("--out", required=True,
+                   help="the result's JSON file (not stdout: the event loop may leave stdout "
+                        "non-blocking, and a pipe then takes only its first 64 KiB)")
     args = p.parse_args(argv)
     try:
         import uvloop
         result = uvloop.run(run(args))
     except ImportError:
         result = asyncio.run(run(args))
-    print(json.dumps(result))
+    Path(args.out).write_text(json.dumps(result))
     return 0
 
 
