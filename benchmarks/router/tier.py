@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.router.overhead import ROOT, scrape
+from benchmarks.router.overhead import ROOT, scrape, warm_up
 from benchmarks.router.tier_report import DEFINITIONS, failover_summary, rate_summary
 from common.redis_server import RedisServer, free_port
 
@@ -69,6 +69,11 @@ class Tier:
                  "--profile", a.profile, "--replica-id", f"sim{i}", "-k", str(a.per_process),
                  "--max-num-seqs", str(a.max_num_seqs), "--drain-timeout", "2"]))
         self._wait_for_replicas(processes * a.per_process)
+        # A router loads its tokenizer (transformers) on a thread after it starts,
+        # and the import holds the GIL for seconds; a text prompt waits for it, so
+        # no measured run overlaps it.
+        for address in self.addresses:
+            warm_up(address)
         return self
 
     def _spawn(self, argv: list[str]) -> subprocess.Popen:
@@ -131,7 +136,7 @@ def ladder(args, work, model, n: int) -> dict:
     tier = Tier(args, work, model, n).start()
     rows = []
     try:
-        tier.load(min(args.rates), 1.0, seed=999)   # warm-up: tokenizers, channels
+        tier.load(min(args.rates), 3.0, seed=999)   # warm-up: channels, first steps
         for k, rate in enumerate(args.rates):
             row = rate_summary(tier.load(rate, args.duration, seed=k + 1), args.added_limit_ms)
             rows.append(row)
@@ -156,7 +161,7 @@ def failover(args, work, model, rate: float) -> dict:
     n = args.failover_routers
     tier = Tier(args, work, model, n).start()
     try:
-        tier.load(min(args.rates), 1.0, seed=999)
+        tier.load(min(args.rates), 3.0, seed=999)
         duration = args.failover_duration
         result = tier.load(rate, duration, seed=77, kill_at=duration / 3)
     finally:
