@@ -40,7 +40,7 @@ class RouterConfig:
     submit_timeout: float = 5.0        # a new request waits this long to be stored, then UNAVAILABLE
     max_pending_submits: int = 10_000  # submits waiting for Redis before new ones get UNAVAILABLE
     stall_after: float = 0.5           # Redis slower than this: clients are served from memory
-    redis_max_in_flight: int = 2       # write batches sent before the first one's replies are back
+    redis_max_in_flight: int = 1       # write batches sent before the first one's replies are back
     shutdown_timeout: float = 5.0      # on SIGTERM: time to make pending writes durable
     max_requeues: int = 8              # a request moved this often between replicas fails
     tokenizer_threads: int = 2

@@ -168,9 +168,11 @@ def failover(args, work, model, rate: float) -> dict:
         tier.stop()
     summary = failover_summary(result, args.window_s)
     summary.update(routers=n, replicas=args.replicas, offered_rps=rate, duration_s=duration)
+    back = (f"p99 TTFT back to normal after {summary['recovery_s']} s"
+            if summary["recovered_within_run"] else
+            f"p99 TTFT not back to normal by the end of the run ({summary['recovery_s']} s after the kill)")
     print(f"failover: {n} routers at {rate:.0f}/s, router 1 killed at {duration / 3:.1f} s: lost "
-          f"{summary['lost']}, duplicated tokens {summary['duplicated_tokens']}, p99 TTFT back to "
-          f"normal after {summary['recovery_s']} s", flush=True)
+          f"{summary['lost']}, duplicated tokens {summary['duplicated_tokens']}, {back}", flush=True)
     return summary
 
 

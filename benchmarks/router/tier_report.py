@@ -21,6 +21,8 @@ DEFINITIONS = {
     "duplicated_tokens": "tokens a client stream delivered at an offset it already had",
     "recovery_s": "failover: from the kill to the start of the first window after which every "
                   "window's p99 TTFT is within 1.5x (+50 ms) of the p99 before the kill",
+    "recovered_within_run": "failover: false when the last window is still over that bound (then "
+                            "recovery_s only says the run ended first)",
 }
 
 
@@ -84,8 +86,10 @@ def failover_summary(result: dict, window_s: float) -> dict:
         bad = [t for t, p in after if p is None or p > bound]
         last_bad = max(bad, default=None)
         recovery = 0.0 if last_bad is None else round(max(0.0, last_bad + window_s - kill), 3)
+    # Bad up to the last window: not back to normal while the run lasted.
+    recovered = recovery is not None and (not windows or max(bad, default=-1.0) < windows[-1][0])
     summary.update(killed_at_s=kill, p99_ttft_before_kill_ms=normal * 1e3 if normal else None,
-                   recovery_s=recovery,
+                   recovery_s=recovery, recovered_within_run=recovered,
                    ttft_p99_windows_ms=[(round(t, 2), None if p is None else round(p * 1e3, 1))
                                         for t, p in windows],
                    requeued=sum(1 for r in recs if r.get("requeues")))

@@ -3,11 +3,14 @@
 Writes are queued in the order the router's memory changed and flushed by one
 task: everything pending (up to a batch) goes in one pipelined round trip, and
 consecutive calls of one script merge into one call. Up to `max_in_flight`
-batches are out at once, so a write queued while a batch awaits its replies
-(a pop behind a step write) is sent at once instead of a round trip later;
-under load the window is full and writes gather into large batches. One
-connection carries them all, so Redis applies them in order, and Redis
-always holds a prefix of the router's history.
+batches are out at once (`--redis-max-in-flight`, default 1): with 2, a write
+queued while a batch awaits its replies (a pop behind a step write) is sent
+at once instead of a round trip later. On loopback Redis that measured no
+gain at 1 output token and 5-20% less 64-token throughput, as batches got
+smaller (benchmarks/results/router_overhead_device.json), hence the default;
+a Redis further away is where it may pay. One connection carries every
+batch, so Redis applies them in order, and Redis always holds a prefix of
+the router's history.
 
 Failure model:
 - every round trip has a deadline (`timeout`); a missed deadline or a lost
@@ -76,7 +79,7 @@ class PermanentWriteError(RuntimeError):
 
 class RedisWriter:
     def __init__(self, client: LeanRedis, *, max_pending_submits: int, stall_after: float,
-                 max_batch: int = 512, max_in_flight: int = 2,
+                 max_batch: int = 512, max_in_flight: int = 1,
                  on_stall: Callable[[bool], None] | None = None):
         self.client = client
         self.max_in_flight = max_in_flight
