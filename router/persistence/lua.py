@@ -268,9 +268,8 @@ local written = {}
 for i = 3, #ARGV, 17 do
   local id = ARGV[i]
   local h = prefix .. 'req:' .. id
-  local st, n, br, fe = unpack(redis.call('HMGET', h, 'st', 'n', 'br', 'fe'))
+  local st, n, br = unpack(redis.call('HMGET', h, 'st', 'n', 'br'))
   if st == 'r' and n == ARGV[i + 16] and (br or '') == router_ then
-    local others = other_fronts_(h, fe)
     local o, t, l = prefix .. 'out:' .. id, prefix .. 'txt:' .. id, prefix .. 'lp:' .. id
     if ARGV[i + 2] ~= '' then redis.call('SETRANGE', o, tonumber(ARGV[i + 1]), ARGV[i + 2]) end
     if ARGV[i + 4] ~= '' then redis.call('SETRANGE', t, tonumber(ARGV[i + 3]), ARGV[i + 4]) end
@@ -279,11 +278,9 @@ for i = 3, #ARGV, 17 do
     if ARGV[i + 6] ~= '' then redis.call('HSET', h, 'fs', ARGV[i + 6]) end
     if ARGV[i + 15] ~= '' then redis.call('HSET', h, 'ct', ARGV[i + 15]) end
     if ARGV[i + 2] ~= '' or ARGV[i + 4] ~= '' then
-      for _, r in ipairs(others) do
-        emit_(r, 'k', 'd', 'id', id, 'n', n, 'o', ARGV[i + 1], 't', ARGV[i + 2],
-          'xo', ARGV[i + 3], 'x', ARGV[i + 4], 'lo', ARGV[i + 13], 'l', ARGV[i + 14],
-          'ft', ARGV[i + 5], 'fs', ARGV[i + 6], 'ct', ARGV[i + 15])
-      end
+      tell_fronts_(h, 'k', 'd', 'id', id, 'n', n, 'o', ARGV[i + 1], 't', ARGV[i + 2],
+        'xo', ARGV[i + 3], 'x', ARGV[i + 4], 'lo', ARGV[i + 13], 'l', ARGV[i + 14],
+        'ft', ARGV[i + 5], 'fs', ARGV[i + 6], 'ct', ARGV[i + 15])
     end
     if ARGV[i + 7] == '1' then
       redis.call('HSET', h, 'fr', ARGV[i + 8], 'err', ARGV[i + 9], 'rep', ARGV[i + 10],
@@ -294,7 +291,7 @@ for i = 3, #ARGV, 17 do
       redis.call('EXPIRE', o, ttl)
       redis.call('EXPIRE', t, ttl)
       redis.call('EXPIRE', l, ttl)
-      finish_event_(h, id, others)
+      finish_event_(h, id)
     end
     written[#written + 1] = 1
   else

@@ -13,10 +13,9 @@ Helpers (every script's ARGV[1] is the key prefix):
   live_(r)            router r holds a live lease
   emit_(r, ...)       XADD the field/value pairs to r's event stream
                       (P ev:<r>, MAXLEN ~ EVENTS_MAXLEN)
-  fronts_(h, fe)      the routers holding client streams of request hash h
-                      (its 'fe' field, ids separated by spaces; fe: that
-                      field's value when the caller has read it already)
-  other_fronts_(h, fe) the live fronts of h other than the caller
+  fronts_(h)          the routers holding client streams of request hash h
+                      (its 'fe' field, ids separated by spaces)
+  other_fronts_(h)    the live fronts of h other than the caller
   tell_fronts_(h, .)  emit_ to each of them
   kick_()             tell every other live router the shared queue has work
   record_(id)         a request as one flat list: its hash's field/value pairs,
@@ -50,14 +49,14 @@ end
 local function emit_(r, ...)
   redis.call('XADD', p_ .. 'ev:' .. r, 'MAXLEN', '~', %(maxlen)d, '*', ...)
 end
-local function fronts_(h, fe)
+local function fronts_(h)
   local out = {}
-  for r in string.gmatch(fe or redis.call('HGET', h, 'fe') or '', '[^ ]+') do out[#out + 1] = r end
+  for r in string.gmatch(redis.call('HGET', h, 'fe') or '', '[^ ]+') do out[#out + 1] = r end
   return out
 end
-local function other_fronts_(h, fe)
+local function other_fronts_(h)
   local out = {}
-  for _, r in ipairs(fronts_(h, fe)) do
+  for _, r in ipairs(fronts_(h)) do
     if r ~= router_ and live_(r) then out[#out + 1] = r end
   end
   return out
@@ -87,8 +86,8 @@ end
 # look alike). Byte offsets say where the output ends: a front that has less
 # reloads the request.
 FINISH_EVENT = """
-local function finish_event_(h, id, others)
-  others = others or other_fronts_(h)
+local function finish_event_(h, id)
+  local others = other_fronts_(h)
   if #others == 0 then return end   -- the usual case: the caller is the only front
   local f = redis.call('HMGET', h, 'fr', 'err', 'rep', 'fin', 'pre', 'asg', 'rq', 'ft', 'fs', 'ct', 'n')
   for _, r in ipairs(others) do
