@@ -208,7 +208,9 @@ class RedisWriter:
         self._flights.append(flight)
         self._arm_stall_timer()
         wire = flight.encode(self.fence)
-        self.round_trips += bool(wire)
+        if not wire:
+            return   # barriers only: done once the flights before it are
+        self.round_trips += 1
         try:
             flight.futures = await self.client.send(wire)
         except Exception as exc:  # could not connect: the flight fails as its replies would
