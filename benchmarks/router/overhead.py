@@ -51,6 +51,7 @@ DEFINITIONS = {
                       "client responses out, replica messages in (step, pull, heartbeat) and out (assign)",
     "redis_round_trips_per_request": "router's own count (Lua calls and pipelines) / completed",
     "redis_commands_per_request": "Redis-side work: INFO commandstats calls delta / completed (counts the EVALSHA and every command its script runs)",
+    "redis_script_calls_per_request": "EVALSHA calls / completed (each runs the fence once)",
 }
 
 
@@ -62,9 +63,12 @@ def pct(values, q):
 
 
 
-def redis_calls(r) -> int:
+def redis_calls(r) -> tuple[int, int]:
+    """Commands Redis ran (a script's own commands included) and script calls."""
     stats = r.info("commandstats")
-    return sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info",))
+    total = sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info",))
+    scripts = sum(v["calls"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
+    return total, scripts
 
 
 
@@ -151,9 +155,10 @@ def parse_args(argv=None):
                    help="output lengths to measure (the per-token path is what real load stresses)")
     p.add_argument("--duration", type=float, default=6.0)
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--compare", metavar="TREE",
+    p.add_argument("--compare", action="append", default=[], metavar="[NAME=]TREE",
                    help="also run the router of another checkout, side by side in this run "
-                        "(ABAB, --repeats times each), e.g. a git worktree of an older commit")
+                        "(ABAB, --repeats times each), e.g. a git worktree of an older commit; "
+                        "repeatable (unnamed: 'baseline')")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                    help="also run this tree's router with extra arguments, side by side, "
                         "e.g. window1='--redis-max-in-flight 1' (repeatable)")
@@ -162,6 +167,7 @@ def parse_args(argv=None):
     p.add_argument("--profile", help="py-spy record the router during each rate into this "
                                      "file (collapsed stacks; one file per rate)")
     p.add_argument("--native", action="store_true", help="with --profile: C frames too (gRPC core)")
+    p.add_argument("--profile-hz", type=int, default=200, help="with --profile: samples a second")
     p.add_argument("--client", help=argparse.SUPPRESS)   # internal: run the load generator
     p.add_argument("--rate", type=float, help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
@@ -191,9 +197,14 @@ def measure(args, router, address: str, mport: int, r, vocab: int, rate: float,
     before, calls_before, cpu_before = scrape(mport), redis_calls(r), cpu_seconds(router.pid)
     spy = None
     if profile:
-        spy = subprocess.Popen([str(Path(py).parent / "py-spy"), "record", "-p", str(router.pid),
-                                "-r", "200", "-f", "raw", "-o", profile, "-d",
-                                str(int(args.duration + 2)), *(["--native"] if args.native else [])],
+        from benchmarks.router.peers import find_py_spy
+
+        # --native must stop the router at every sample (it then sustains a tenth
+        # of the rate); without it py-spy reads the stacks without stopping it.
+        mode = ["--native"] if args.native else ["--nonblocking"]
+        spy = subprocess.Popen([find_py_spy(), "record", "-p", str(router.pid),
+                                "-r", str(args.profile_hz), "-f", "raw", "-o", profile, "-d",
+                                str(int(args.duration + 2)), "--threads", *mode],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t0 = time.perf_counter()
     out = subprocess.run([py, "-m", "benchmarks.router.overhead", "--client", address,
@@ -220,7 +231,8 @@ def measure(args, router, address: str, mport: int, r, vocab: int, rate: float,
     row.update(router_cpu_ms_per_request=cpu / n * 1e3, router_cpu_util=cpu / wall,
                messages_in_per_s=msgs_in / wall, messages_out_per_s=msgs_out / wall,
                messages_per_s=(msgs_in + msgs_out) / wall,
-               redis_commands_per_request=(calls_after - calls_before) / n,
+               redis_commands_per_request=(calls_after[0] - calls_before[0]) / n,
+               redis_script_calls_per_request=(calls_after[1] - calls_before[1]) / n,
                redis_round_trips_per_request=delta("quadriga_redis_round_trips_total") / n)
     return row
 
@@ -246,7 +258,8 @@ def run_side(args, work: Path, name: str, tree: Path, extra: list[str]) -> list[
                       f"ms  cpu/req {row['router_cpu_ms_per_request']:.2f} ms "
                       f"({row['router_cpu_util']:.0%})  msgs/s {row['messages_per_s']:5.0f}  "
                       f"rt/req {row['redis_round_trips_per_request']:.2f}  "
-                      f"cmds/req {row['redis_commands_per_request']:.1f}  fail {row['failures']}", flush=True)
+                      f"cmds/req {row['redis_commands_per_request']:.1f}  "
+                      f"scripts/req {row['redis_script_calls_per_request']:.2f}  fail {row['failures']}", flush=True)
     return rows
 
 
@@ -272,8 +285,12 @@ def main(argv=None) -> int:
     for variant in args.variant:
         name, _, extra = variant.partition("=")
         sides.append((name, ROOT, shlex.split(extra)))
-    if args.compare:
-        sides.append(("baseline", Path(args.compare).resolve(), []))
+    compared = []
+    for spec in args.compare:
+        name, sep, tree = spec.partition("=")
+        name, tree = (name, tree) if sep else ("baseline", spec)
+        compared.append((name, Path(tree).resolve(), []))
+    sides += compared
     rows = []
     for repeat in range(args.repeats):
         for name, tree, extra in sides:
@@ -291,8 +308,8 @@ def main(argv=None) -> int:
         "duration_s": args.duration,
         "rows": rows,
     }
-    if args.compare:
-        result["baseline_commit"] = tree_commit(sides[-1][1])
+    for name, tree, _ in compared:
+        result["baseline_commit" if name == "baseline" else f"{name}_commit"] = tree_commit(tree)
     result["commit"] = tree_commit(ROOT)
     if not args.profile:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,12 @@
 # The router's CPU benchmarks on the H200 host's 16 cores (no GPU used), from a plain
 # copy of the tree and a carry made by prepare-device-cpu-carry.sh:
 #   bash benchmarks/router/run_device_cpu.sh CARRY OUT overhead   # this router beside .baseline's  (RATES="250 500 1000", REPEATS=3 for more,
-#                                                                  # VARIANT="name=router args" for this router with other settings too)
+#                                                                  # VARIANT="name=router args" for this router with other settings too,
+#                                                                  # COMPARE="name=TREE ..." for more trees beside .baseline)
+#   bash benchmarks/router/run_device_cpu.sh CARRY OUT profile    # the same sides, one rate each, under py-spy (non-blocking;
+#                                                                  # NATIVE=1: C frames too, but py-spy then stops the router at
+#                                                                  # every sample and the router sustains a tenth of the rate):
+#                                                                  # OUT/profile.tar of p.SIDE.TOKENS.RATE and their top frames
 #   bash benchmarks/router/run_device_cpu.sh CARRY OUT peers      # HTTP path beside sglang/vllm-router
 # Each phase stays under the device's 10 minutes a call; JSONs land in OUT.
 set -uo pipefail
@@ -12,11 +17,27 @@ source benchmarks/router/peers-env.sh "$carry"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
 note="H200 host, $(nproc) cores, nothing else running; router, scripted replicas, Redis and the load generator share them"
 echo "load before: $(cat /proc/loadavg)"
+compare=(--compare .baseline)
+for c in ${COMPARE:-}; do compare+=(--compare "$c"); done
 case "$phase" in
   overhead)
     [ -d .baseline/router ] || { echo "no .baseline/ (git archive of the commit to compare with)"; exit 2; }
-    timeout 560 python3 -m benchmarks.router.overhead --compare .baseline --rates ${RATES:-500} \
+    timeout 560 python3 -m benchmarks.router.overhead "${compare[@]}" --rates ${RATES:-500} \
         --output-tokens 1 64 --repeats ${REPEATS:-2} --duration 5 ${VARIANT:+--variant "$VARIANT"} --out "$out/router_overhead_device.json" ;;
+  profile)
+    [ -d .baseline/router ] || { echo "no .baseline/ (git archive of the commit to compare with)"; exit 2; }
+    mkdir -p "$out/profile"
+    timeout 560 python3 -m benchmarks.router.overhead "${compare[@]}" --rates ${RATES:-500} \
+        --output-tokens 1 64 --duration 5 ${VARIANT:+--variant "$VARIANT"} --profile "$out/profile/p" \
+        ${NATIVE:+--native} --profile-hz ${PROFILE_HZ:-200}
+    rc=$?
+    for f in "$out"/profile/p.*[0-9]; do
+      [ -f "$f" ] || continue
+      python3 -m benchmarks.router.profile_top "$f" --top 60 > "$f.top.txt"
+      python3 -m benchmarks.router.profile_top "$f" --top 60 --thread MainThread > "$f.main.txt"
+    done
+    tar -C "$out" -cf "$out/profile.tar" profile && rm -rf "$out/profile"
+    (exit $rc) ;;
   peers)
     timeout 560 python3 -m benchmarks.router.peers --peers-site "$QUADRIGA_PEERS_SITE" --mock-workers 4 \
         --repeats 3 --duration 5 --profile-dir "$out/profile" --machine-note "$note" \
