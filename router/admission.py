@@ -79,9 +79,12 @@ class Admission:
         req, stored = self.table.admit(spec, ids, max_tokens,
                                        self.scheduler.arrival_queue(ids, max_tokens), rid, digest)
         try:
-            created, value, state = await asyncio.wait_for(asyncio.shield(stored),
-                                                           self.config.submit_timeout)
-        except asyncio.TimeoutError:
+            # Unshielded: a timeout or a client gone cancels the reply's future;
+            # the writer skips a cancelled future but still stores the submit,
+            # and withdraw removes it once it has landed.
+            async with asyncio.timeout(self.config.submit_timeout):
+                created, value, state = await stored
+        except TimeoutError:
             self.table.withdraw(req)
             raise unavailable(f"Redis did not store the request within {self.config.submit_timeout:g} s; "
                               "retry (with the same request_id to be safe)", "store") from None

@@ -2,10 +2,14 @@
 
 gRPC deserializes each request with the service's `FromString`; bytes that do
 not parse raise inside gRPC itself, which answers UNKNOWN and logs a traceback
-per call. This interceptor gives every method a deserializer that never
+per call. `CheckedServer` gives every method a deserializer that never
 raises: a bad message becomes a `Malformed` value, and the method's handler
 answers it (unary requests) or its stream raises MalformedMessage where the
 message would have been (streaming requests).
+
+The handlers are wrapped once, as the services are added to the server, not
+per call by a server interceptor: an interceptor costs every RPC a chain of
+coroutines, and Generate is the router's per-request path.
 """
 
 from __future__ import annotations
@@ -108,15 +112,39 @@ def _wrap(method: str, handler: grpc.RpcMethodHandler, checks_itself: bool) -> g
                                                response_serializer=serialize)
 
 
-class MalformedInterceptor(grpc.aio.ServerInterceptor):
-    """checked_by_servicer: methods whose servicer answers a Malformed request
+class _CheckedGeneric(grpc.GenericRpcHandler):
+    """A service's generic handler, answering with wrapped handlers (made once per method)."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler, checked: frozenset[str]):
+        self._inner = inner
+        self._checked = checked
+        self._wrapped: dict[str, grpc.RpcMethodHandler | None] = {}
+
+    def service(self, handler_call_details):
+        method = handler_call_details.method
+        if method not in self._wrapped:
+            handler = self._inner.service(handler_call_details)
+            self._wrapped[method] = None if handler is None else \
+                _wrap(method, handler, method in self._checked)
+        return self._wrapped[method]
+
+
+class CheckedServer:
+    """What the generated add_*Servicer_to_server functions are given instead of
+    the server: they register the service's handlers through it, wrapped.
+
+    checked_by_servicer: methods whose servicer answers a Malformed request
     itself (hot paths, where a wrapping generator would cost every message)."""
 
-    def __init__(self, checked_by_servicer: frozenset[str] = frozenset()):
+    def __init__(self, server, checked_by_servicer: frozenset[str] = frozenset()):
+        self._server = server
         self._checked = checked_by_servicer
 
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None:
-            return handler
-        return _wrap(details.method, handler, details.method in self._checked)
+    def add_generic_rpc_handlers(self, generic_handlers) -> None:
+        self._server.add_generic_rpc_handlers(
+            tuple(_CheckedGeneric(h, self._checked) for h in generic_handlers))
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self._server.add_registered_method_handlers(service, {
+            name: _wrap(f"/{service}/{name}", h, f"/{service}/{name}" in self._checked)
+            for name, h in handlers.items()})

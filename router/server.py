@@ -19,7 +19,7 @@ import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from common.pb.quadriga.v1 import generation_pb2, generation_pb2_grpc, replica_pb2, replica_pb2_grpc
 from common.tokenizer import max_model_len, vocab_size
@@ -28,7 +28,7 @@ from router.auth import ApiKeyInterceptor, server_credentials
 from router.config import RouterConfig
 from router.liveness import RouterLease
 from router.frontends.grpc_api import GENERATE_METHOD, GenerationService
-from router.malformed import MalformedInterceptor
+from router.malformed import CheckedServer
 from router.metrics import Metrics
 from router.persistence.store import Store
 from router.persistence.writer import RedisWriter
@@ -130,11 +130,8 @@ class RouterApp:
         self.events.start()
         self.scheduler.start()
         keys = self.config.api_key_set
-        interceptors = [MalformedInterceptor(frozenset({GENERATE_METHOD, CONNECT_METHOD}))]
-        if keys:
-            interceptors.insert(0, ApiKeyInterceptor(keys))
         self.server = grpc.aio.server(
-            interceptors=interceptors,
+            interceptors=[ApiKeyInterceptor(keys)] if keys else None,
             options=[
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.keepalive_time_ms", 20_000),
@@ -144,13 +141,15 @@ class RouterApp:
                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
             ])
+        # Every service gets deserializers that never raise (router/malformed.py).
+        checked = CheckedServer(self.server, frozenset({GENERATE_METHOD, CONNECT_METHOD}))
         generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationService(self.admission, self.table, self.config, self.metrics), self.server)
+            GenerationService(self.admission, self.table, self.config, self.metrics), checked)
         replica_pb2_grpc.add_ReplicaGatewayServicer_to_server(
-            ReplicaGateway(self.ops, self.config, self.metrics, self), self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+            ReplicaGateway(self.ops, self.config, self.metrics, self), checked)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, checked)
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
+            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)), checked)
         self.port = self._listen()
         await self.server.start()
         for name in ("", *SERVICE_NAMES):

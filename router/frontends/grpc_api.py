@@ -16,15 +16,13 @@ from router.validation import RouterError
 log = logging.getLogger(__name__)
 GENERATE_METHOD = "/quadriga.v1.Generation/Generate"
 
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens",
-             "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
+_REPEATED = frozenset({"stop", "stop_token_ids"})
 
 
 def spec_from_pb(msg: gpb.GenerateRequest) -> RequestSpec:
-    s = msg.sampling
-    optional = {name: getattr(s, name) for name in _OPTIONAL if s.HasField(name)}
-    sampling = Sampling(ignore_eos=s.ignore_eos, stop=tuple(s.stop),
-                        stop_token_ids=tuple(s.stop_token_ids), **optional)
+    # ListFields: only what the client set (optional fields by presence), in one call.
+    sampling = Sampling(**{fd.name: tuple(v) if fd.name in _REPEATED else v
+                           for fd, v in msg.sampling.ListFields()})
     return RequestSpec(request_id=msg.request_id, prompt=msg.prompt,
                        prompt_token_ids=tuple(msg.prompt_token_ids), sampling=sampling,
                        priority=msg.priority, stream_interval=msg.stream_interval)

@@ -28,6 +28,20 @@ class ReplyError(Exception):
     pass
 
 
+class _Batch:
+    """The replies of one write of commands: its future gets them all, as a list,
+    once the last has come (one future per batch, not per command: this is the
+    router's hottest path)."""
+
+    __slots__ = ("expected", "replies", "future", "sent_at")
+
+    def __init__(self, expected: int, future: asyncio.Future, sent_at: float):
+        self.expected = expected
+        self.replies: list = []
+        self.future = future
+        self.sent_at = sent_at
+
+
 def _retrieve(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()
@@ -36,29 +50,36 @@ def _retrieve(fut: asyncio.Future) -> None:
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.reader = hiredis.Reader()
-        self.waiters: collections.deque[asyncio.Future] = collections.deque()
+        self.batches: collections.deque[_Batch] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.failure: type[Exception] = ConnectionError
+        self.watchdog: asyncio.TimerHandle | None = None   # LeanRedis._watch: the deadline
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        reader, waiters = self.reader, self.waiters
+        reader, batches = self.reader, self.batches
         reader.feed(data)
         while True:
             reply = reader.gets()
             if reply is False:
                 return
-            fut = waiters.popleft()
-            if not fut.done():
-                fut.set_result(reply)
+            batch = batches[0]
+            batch.replies.append(reply)
+            if len(batch.replies) == batch.expected:
+                batches.popleft()
+                if not batch.future.done():
+                    batch.future.set_result(batch.replies)
 
     def connection_lost(self, exc) -> None:
         self.closed = True
-        while self.waiters:
-            fut = self.waiters.popleft()
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
+        while self.batches:
+            fut = self.batches.popleft().future
             if not fut.done():
                 fut.set_exception(self.failure(f"Redis connection lost: {exc or 'closed'}"))
 
@@ -147,34 +168,47 @@ class LeanRedis:
                 self._connecting = None
         return self._proto
 
-    def _send(self, proto: _Protocol, commands) -> list[asyncio.Future]:
-        """Writes every command at once; one future per reply, in order. One
-        timer covers them all: a stalled server fails every call sent with them."""
+    def _send(self, proto: _Protocol, commands) -> asyncio.Future:
+        """Writes every command at once; returns the future of their replies (a
+        list, in order). A stalled server fails every batch on the connection."""
         loop = asyncio.get_running_loop()
-        futures = []
-        for _ in commands:
-            fut = loop.create_future()
-            proto.waiters.append(fut)
-            futures.append(fut)
-        proto.transport.write(b"".join(hiredis.pack_command(c) for c in commands))
-        timer = loop.call_later(self.timeout, proto.abort, TimeoutError)
-        futures[-1].add_done_callback(lambda _: timer.cancel())
-        for fut in futures:  # they fail together: none is left unretrieved
-            fut.add_done_callback(_retrieve)
-        return futures
+        fut = loop.create_future()
+        fut.add_done_callback(_retrieve)   # failed together: none is left unretrieved
+        proto.batches.append(_Batch(len(commands), fut, loop.time()))
+        proto.transport.write(b"".join([hiredis.pack_command(c) for c in commands]))
+        self._watch(proto)
+        return fut
+
+    def _watch(self, proto: _Protocol) -> None:
+        """The deadline: one timer per connection, re-armed lazily for the oldest
+        unanswered batch (not one timer per batch, set and cancelled each time)."""
+        if proto.watchdog is None:
+            proto.watchdog = asyncio.get_running_loop().call_later(self.timeout, self._check, proto)
+
+    def _check(self, proto: _Protocol) -> None:
+        proto.watchdog = None
+        if proto.closed or not proto.batches:
+            return
+        late = asyncio.get_running_loop().time() - proto.batches[0].sent_at
+        if late >= self.timeout:
+            proto.abort(TimeoutError)
+        else:
+            proto.watchdog = asyncio.get_running_loop().call_later(self.timeout - late,
+                                                                   self._check, proto)
 
     async def _round_trip(self, proto: _Protocol, commands) -> list:
         """Sends every command in one write and waits for all replies, within the deadline."""
         if not commands:
             return []
-        return [await fut for fut in self._send(proto, commands)]
+        return await self._send(proto, commands)
 
-    async def send(self, commands) -> list[asyncio.Future]:
-        """Sends now and returns the replies' futures without waiting for them,
-        so a caller may send again before they come: the one connection keeps
-        the order. A future fails with ConnectionError or TimeoutError."""
+    async def send(self, commands) -> asyncio.Future | None:
+        """Sends now and returns the future of the replies (a list, in order)
+        without waiting for it, so a caller may send again before it is done: the
+        one connection keeps the order. It fails with ConnectionError or
+        TimeoutError. None for no commands."""
         proto = await self._conn()
-        return self._send(proto, commands) if commands else []
+        return self._send(proto, commands) if commands else None
 
     async def execute_many(self, commands) -> list:
         """Replies in order; a command's error reply comes back as a ReplyError instance."""

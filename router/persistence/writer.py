@@ -120,7 +120,10 @@ class RedisWriter:
         if write.bounded:
             self._pending_submits += 1
         self._idle.clear()
-        self._wake.set()
+        if len(self._flights) < self.max_in_flight:
+            # Otherwise the window is full and the flush loop sleeps until a
+            # flight's replies come: waking it per write would only cost a turn.
+            self._wake.set()
         return write
 
     def call(self, write: Write) -> asyncio.Future:
@@ -212,11 +215,14 @@ class RedisWriter:
             return   # barriers only: done once the flights before it are
         self.round_trips += 1
         try:
-            flight.futures = await self.client.send(wire)
+            flight.future = await self.client.send(wire)
         except Exception as exc:  # could not connect: the flight fails as its replies would
             flight.error = exc
-        if flight.futures:
-            flight.futures[-1].add_done_callback(lambda _: self._wake.set())
+        if flight.future is not None:
+            flight.future.add_done_callback(self._flight_done)
+
+    def _flight_done(self, _future) -> None:
+        self._wake.set()
 
     def _failed(self, flight: "_Flight", exc: Exception) -> bool:
         """A flight failed: every later one is discarded and all are sent again,
@@ -259,23 +265,32 @@ class RedisWriter:
                     log.exception("a durable-write callback failed")
 
     # ---- stall tracking ----
+    # One timer, re-armed lazily for the oldest flight: not one set and cancelled
+    # per batch, which cost the hot path a timer each round trip.
     def _arm_stall_timer(self) -> None:
         if self._stall_timer is None and not self.stalled:
-            self._stall_timer = asyncio.get_running_loop().call_later(self.stall_after, self._enter_stall)
+            self._stall_timer = asyncio.get_running_loop().call_later(self.stall_after, self._check_stall)
 
-    def _enter_stall(self) -> None:
+    def _check_stall(self) -> None:
         self._stall_timer = None
-        if not self.stalled:
-            self.stalled = True
-            log.warning("Redis is slower than %.2f s: clients are served from memory until it "
-                        "catches up", self.stall_after)
-            if self.on_stall:
-                self.on_stall(True)
+        # Since the oldest unanswered attempt: a failed one counts from its first
+        # try (retries send the batch again, with a later start).
+        since = self.failing_since if self.failing_since is not None else \
+            (self._flights[0].started if self._flights else None)
+        if self.stalled or since is None:
+            return
+        waited = time.monotonic() - since
+        if waited < self.stall_after:
+            self._stall_timer = asyncio.get_running_loop().call_later(self.stall_after - waited,
+                                                                      self._check_stall)
+            return
+        self.stalled = True
+        log.warning("Redis is slower than %.2f s: clients are served from memory until it "
+                    "catches up", self.stall_after)
+        if self.on_stall:
+            self.on_stall(True)
 
     def _settle_stall(self, took: float) -> None:
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
         if self.stalled and took < self.stall_after and len(self._pending) < self.max_batch:
             self.stalled = False
             if self.on_stall:
@@ -292,13 +307,13 @@ class _Fenced(Exception):
 
 class _Flight:
     """One sent batch: its writes, the commands they became (consecutive calls
-    of one script merged) and the replies' futures."""
+    of one script merged) and the future of their replies."""
 
     def __init__(self, batch: list[Write], started: float):
         self.batch = batch
         self.started = started
         self.spans: list = []    # per write: (command index, first item); None: a barrier
-        self.futures: list[asyncio.Future] = []
+        self.future: asyncio.Future | None = None
         self.error: Exception | None = None
 
     def encode(self, fence: tuple) -> list:
@@ -322,19 +337,19 @@ class _Flight:
                 for first, _, items in commands]
 
     def done(self) -> bool:
-        return self.error is not None or all(f.done() for f in self.futures[-1:])
+        return self.error is not None or self.future is None or self.future.done()
 
     def replies(self) -> list:
         """One reply (or ReplyError) per write; raises _Fenced or _Failed."""
         if self.error is not None:
             raise _Failed(f"{type(self.error).__name__}: {self.error}")
         replies = []
-        for fut in self.futures:
-            exc = fut.exception()
+        if self.future is not None:
+            exc = self.future.exception()
             if exc is not None:
                 raise _Failed(f"{type(exc).__name__}: {exc}")
-            reply = fut.result()
-            replies.append(ReplyError(str(reply)) if isinstance(reply, hiredis.ReplyError) else reply)
+            replies = [ReplyError(str(r)) if isinstance(r, hiredis.ReplyError) else r
+                       for r in self.future.result()]
         for reply in replies:
             if isinstance(reply, ReplyError) and str(reply).startswith("FENCED"):
                 raise _Fenced(str(reply))

@@ -66,10 +66,14 @@ class PrefixMatcher:
         blocks = self.index.matched_blocks(context_hashes(work, hasher), replica_ids)
         return {rid: n * hasher.block_size for rid, n in blocks.items()}
 
+    def recording(self, uses_cache: bool) -> bool:
+        """Whether record() records anything (callers skip gathering its arguments)."""
+        return self.metrics is not None and (uses_cache or self.record_all) and self.active
+
     def record(self, work: Work, chosen: str, live_ids: Iterable[str], uses_cache: bool) -> None:
         """Metrics of one placement: the hit on the chosen replica and the best hit
         on any live one (what a router knowing every view would get)."""
-        if self.metrics is None or not (uses_cache or self.record_all) or not self.active:
+        if not self.recording(uses_cache):
             return
         hits = self.cached_tokens(work, {chosen, *live_ids})
         self.observe(len(work.prompt_ids) + len(work.tokens), hits[chosen], max(hits.values()))

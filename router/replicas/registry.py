@@ -16,6 +16,11 @@ from router.replicas.prefill_rate import PrefillRate
 _join_seq = itertools.count()
 OUTBOX_LIMIT = 10_000     # messages waiting to be written to one replica
 RELEASED_LIMIT = 10_000   # cancelled ids remembered per session (late deltas are fine)
+# Acks are cumulative; at most one per replica per this many seconds. They only
+# bound the replica's replay history (what it resends after a broken stream),
+# so a short delay costs nothing, while an Ack per writer flush cost the router
+# an outgoing message per step under load (more than the client's own).
+ACK_INTERVAL_S = 0.05
 
 
 class ReplicaSession:
@@ -64,12 +69,12 @@ class ReplicaSession:
         self.send(rpb.RouterMessage(cancel=rpb.CancelRequests(request_ids=list(request_ids))))
 
     def send_ack(self, step_id: int) -> None:
-        """Acks are cumulative, and one writer flush makes many steps durable at once:
-        one Ack per loop pass carries the highest (steps become durable in order)."""
+        """Acks are cumulative (steps become durable in order): one Ack within
+        ACK_INTERVAL_S carries the highest step durable by then."""
         self._ack_to = max(self._ack_to, step_id)
         if not self._ack_due:
             self._ack_due = True
-            asyncio.get_running_loop().call_soon(self._send_ack_now)
+            asyncio.get_running_loop().call_later(ACK_INTERVAL_S, self._send_ack_now)
 
     def _send_ack_now(self) -> None:
         self._ack_due = False

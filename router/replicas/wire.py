@@ -7,20 +7,10 @@ from common.pb.quadriga.v1 import generation_pb2 as gpb
 from common.pb.quadriga.v1 import replica_pb2 as rpb
 from router.requests.spec import Sampling
 
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens",
-             "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
-
-
 def sampling_pb(s: Sampling, max_tokens: int) -> gpb.SamplingParams:
-    msg = gpb.SamplingParams(ignore_eos=s.ignore_eos, stop=list(s.stop),
-                             stop_token_ids=list(s.stop_token_ids))
-    for name in _OPTIONAL:
-        value = getattr(s, name)
-        if value is not None:
-            setattr(msg, name, value)
-    # Explicit, so the replica and the router agree on when the request ends.
-    msg.max_tokens = max_tokens
-    return msg
+    # The set fields, in one constructor call; max_tokens explicit, so the
+    # replica and the router agree on when the request ends.
+    return gpb.SamplingParams(**{**s.set_fields, "max_tokens": max_tokens})
 
 
 def assignment(req) -> rpb.Assignment:

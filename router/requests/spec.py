@@ -9,6 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field, fields
+from functools import cached_property
+
+# Reused encoders: json.dumps builds a new encoder per call unless its arguments
+# are the defaults, and these run for every request.
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,23 @@ class Sampling:
     repetition_penalty: float | None = None
     logprobs: int | None = None         # None: none; k: the sampled token's and the top k
 
+    @cached_property
+    def set_fields(self) -> dict:
+        """The fields that are set, as plain JSON values (what Redis keeps).
+        Computed once per request (digest, submit and Assign all read it); the
+        dict is shared, so callers must not change it."""
+        out = {}
+        for k in _SAMPLING_FIELDS:  # a shallow read: asdict's deep copy cost every submit
+            v = getattr(self, k)
+            if v is None or v == () or v is False:
+                continue
+            out[k] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    @cached_property
+    def set_fields_json(self) -> str:
+        return _COMPACT.encode(self.set_fields)
+
 
 @dataclass(frozen=True)
 class RequestSpec:
@@ -43,22 +66,15 @@ class RequestSpec:
         request_id and stream_interval are left out."""
         body = {"p": self.prompt, "ids": list(self.prompt_token_ids), "pr": self.priority,
                 "s": sampling_fields(self.sampling)}
-        raw = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(raw.encode()).hexdigest()[:32]
+        return hashlib.sha256(_CANONICAL.encode(body).encode()).hexdigest()[:32]
 
 
 _SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))
 
 
 def sampling_fields(s: Sampling) -> dict:
-    """The fields that are set, as plain JSON values (what Redis keeps)."""
-    out = {}
-    for k in _SAMPLING_FIELDS:  # a shallow read: asdict's deep copy cost every submit
-        v = getattr(s, k)
-        if v is None or v == () or v is False:
-            continue
-        out[k] = list(v) if isinstance(v, tuple) else v
-    return out
+    """The fields that are set, as plain JSON values (shared: do not change it)."""
+    return s.set_fields
 
 
 def sampling_from_fields(d: dict) -> Sampling:

@@ -40,7 +40,7 @@ from router.persistence.writer import RedisWriter
 from router.requests.queue_order import QueueOrder
 from router.requests.remote import CrossRouter
 from router.requests.request import CANCELLED, ERROR, Phase, RequestState, Subscriber
-from router.requests.spec import RequestSpec, sampling_fields
+from router.requests.spec import RequestSpec
 
 log = logging.getLogger(__name__)
 REPLICA_QUEUE_PREFIX = "r:"
@@ -98,6 +98,10 @@ class RequestTable(CrossRouter):
 
     def owned_by(self, replica_id: str) -> list[RequestState]:
         return list(self._owned.get(replica_id, {}).values())
+
+    def owned_count(self, replica_id: str) -> int:
+        owned = self._owned.get(replica_id)
+        return len(owned) if owned is not None else 0
 
     def load_of(self, replica_id: str) -> int:
         return self._load.get(replica_id, 0)
@@ -172,7 +176,7 @@ class RequestTable(CrossRouter):
         req.front = True
         self.requests[rid] = req
         self._enqueue(req, queue)
-        spec_json = _spec_json(spec)
+        spec_json = spec.sampling.set_fields_json
         future = self.writer.call(self.store.submit(
             rid, req.submit_token, digest, spec_json, prompt_ids, max_tokens, spec.priority, now,
             spec.stream_interval, queue))
@@ -447,8 +451,3 @@ class RequestTable(CrossRouter):
                 sub.detached = reason
                 sub.event.set()
 
-
-def _spec_json(spec: RequestSpec) -> str:
-    import json
-
-    return json.dumps(sampling_fields(spec.sampling), separators=(",", ":"))

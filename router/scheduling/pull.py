@@ -110,7 +110,8 @@ class PullScheduler:
         target = self.policy.select(work, live)
         if target is None:
             return PENDING
-        self.prefix.record(work, target.id, [s.id for s in live], self.policy.uses_prefix_cache)
+        if self.prefix.recording(self.policy.uses_prefix_cache):
+            self.prefix.record(work, target.id, [s.id for s in live], True)
         return replica_queue(target.id)
 
     def redistribute(self, queue: str) -> None:
@@ -177,7 +178,7 @@ class PullScheduler:
         for rid, session in self._sessions.items():
             credit = self._credit[rid]
             if not session.closed and not session.draining and \
-                    credit.wants_work(len(self.table.owned_by(rid))):
+                    credit.wants_work(self.table.owned_count(rid)):
                 out.append((credit.pulled_at, session))
         return [s for _, s in sorted(out, key=lambda x: x[0])]
 
@@ -201,7 +202,7 @@ class PullScheduler:
     def _pop(self, session, queue: str, credit: Credit):
         """The pop for this Pull, and why each request it may take is taken
         (None: from the head, in order)."""
-        seats = credit.seats(len(self.table.owned_by(session.id)))
+        seats = credit.seats(self.table.owned_count(session.id))
         others = [s.id for s in self.live(exclude=session.id)]
         # A policy chooses among the requests this router holds; holding none
         # of this queue, it takes the head (other routers' work, in order).
@@ -303,9 +304,10 @@ class PullScheduler:
         return [r for r in taken if r.phase is Phase.RUNNING and r.owner == session.id]
 
     def _record_picks(self, session, taken, reasons: dict | None) -> None:
-        live = [s.id for s in self.live()]
-        uses_cache = self.policy.uses_prefix_cache
-        for req in taken:
-            self.prefix.record(req, session.id, live, uses_cache)
-            if self.metrics is not None:
+        if self.prefix.recording(self.policy.uses_prefix_cache):
+            live = [s.id for s in self.live()]
+            for req in taken:
+                self.prefix.record(req, session.id, live, True)
+        if self.metrics is not None:
+            for req in taken:
                 self.metrics.pull_pick(reasons.get(req.id, FIFO) if reasons else FIFO).inc()
