@@ -3,12 +3,12 @@
 Writes are queued in the order the router's memory changed and flushed by one
 task: everything pending (up to a batch) goes in one pipelined round trip, and
 consecutive calls of one script merge into one call. Up to `max_in_flight`
-batches are out at once (`--redis-max-in-flight`, default 1): with 2, a write
-queued while a batch awaits its replies (a pop behind a step write) is sent
-at once instead of a round trip later. On loopback Redis that measured no
-gain at 1 output token and 5-20% less 64-token throughput, as batches got
-smaller (benchmarks/results/router_overhead_device.json), hence the default;
-a Redis further away is where it may pay. One connection carries every
+batches are out at once (`--redis-max-in-flight`, default 1): with more, a
+write queued while a batch awaits its replies (a pop behind a step write) is
+sent at once instead of a round trip later. On loopback Redis a window of 4
+measured no clear gain at 1 output token and 20-40% less 64-token throughput,
+as batches got smaller (benchmarks/results/router_overhead_device.json),
+hence the default; a Redis further away is where it may pay. One connection carries every
 batch, so Redis applies them in order, and Redis always holds a prefix of
 the router's history.
 
