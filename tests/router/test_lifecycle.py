@@ -134,6 +134,34 @@ def test_a_replica_that_never_reads_is_cut_off_not_buffered_forever(redis_url, t
     arun(scenario())
 
 
+def test_acks_are_coalesced_and_the_last_covers_every_step(redis_url, tiny_model, arun):
+    """An Ack per writer flush cost the router an outgoing message per step; one
+    per ACK_INTERVAL_S carries the highest step durable, and the replica's replay
+    history is still emptied."""
+    interval = registry_module.ACK_INTERVAL_S
+
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            reps = Replicas(app.address, app.limits.vocab_size)
+            rep = await reps.add("r0", step_delay=0.002)
+            async with client(app.address) as stub:
+                started = asyncio.get_running_loop().time()
+                msgs = await asyncio.gather(*(collect(stub, request([i + 1], 60)) for i in range(4)))
+                took = asyncio.get_running_loop().time() - started
+            assert all(len(tokens_of(m)) == 60 for m in msgs)
+            last_step = rep.steps - 1                  # step ids count from 0
+            await wait_until(lambda: rep.rec.acks and rep.rec.acks[-1][1] == last_step)
+            steps, acks = rep.steps, rep.rec.acks
+            assert steps >= 60
+            assert len(acks) <= took / interval + 3 < steps, (len(acks), steps, took)
+            gaps = [b[0] - a[0] for a, b in zip(acks, acks[1:])]
+            assert all(g >= 0.8 * interval for g in gaps), gaps
+            assert [s for _, s in acks] == sorted(s for _, s in acks)
+            await reps.close()
+
+    arun(scenario())
+
+
 def test_a_departed_replicas_metric_series_are_removed(redis_url, tiny_model, arun):
     async def scenario():
         port = free_port()

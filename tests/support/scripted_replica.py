@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -82,6 +83,7 @@ class Record:
     registered: list = field(default_factory=list)
     drained: bool = False
     errors: list = field(default_factory=list)        # status codes the stream ended with
+    acks: list = field(default_factory=list)          # (monotonic time, step_id) of every Ack
 
 
 class ScriptedReplica:
@@ -222,6 +224,8 @@ class ScriptedReplica:
                 self.running.pop(rid, None)
                 self.waiting.pop(rid, None)
             self._maybe_pull()
+        elif kind == "ack":
+            self.rec.acks.append((time.monotonic(), msg.ack.step_id))
         elif kind == "drain":
             self.rec.drained = True
             self._draining = True
