@@ -15,6 +15,31 @@ def load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
+# tokenizer_config.json keys by which transformers' tokenizer classes rewrite
+# the fast tokenizer when they load it (its post-processor, its pre-tokenizer):
+# with any of them set, tokenizer.json alone may encode differently.
+_REWRITING_KEYS = ("add_bos_token", "add_eos_token", "add_prefix_space", "legacy")
+
+
+@lru_cache(maxsize=8)
+def load_encoder(model_dir: str):
+    """The folder's fast tokenizer alone (`tokenizers`, from tokenizer.json), to
+    encode prompts exactly as load_tokenizer's would. It loads in milliseconds,
+    where loading transformers takes seconds and holds the GIL meanwhile (a
+    router's event loop starves). None when the folder has no tokenizer.json
+    or its config asks transformers to rewrite it (_REWRITING_KEYS)."""
+    folder = Path(model_dir)
+    if not (folder / "tokenizer.json").exists():
+        return None
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    if any(key in config for key in _REWRITING_KEYS):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+
 def encode_prompt(tokenizer, text: str) -> list[int]:
     """A text prompt's token ids, with the special tokens the tokenizer adds (a BOS for
     Llama-style tokenizers), as vLLM's completions API encodes it. The router and
@@ -23,6 +48,8 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     A fast tokenizer is asked directly: transformers' encode wraps the same call in
     about as much Python again, paid on every text request the router admits."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None and hasattr(tokenizer, "encode_batch"):
+        backend = tokenizer   # load_encoder's: the fast tokenizer itself
     if backend is not None:
         return backend.encode(text, add_special_tokens=True).ids
     return list(tokenizer.encode(text, add_special_tokens=True))

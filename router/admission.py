@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from common.tokenizer import encode_prompt, load_tokenizer
+from common.tokenizer import encode_prompt, load_encoder, load_tokenizer
 from router.persistence.store import record_from_flat
 from router.requests.record import state_from_record
 from router.requests.request import RequestState
@@ -43,18 +43,48 @@ class Admission:
         # Replicas connected to the other live routers (set by the router's wiring).
         self.replicas_elsewhere = lambda: 0
         self.executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
-        self._tokenizer: asyncio.Future | None = None
+        self._tokenizer: asyncio.Future | None = None   # transformers', loaded when first needed
+        self._encoder: asyncio.Future | None = None
 
     def start(self) -> None:
-        """Starts loading the tokenizer without waiting for it: loading transformers
-        takes seconds, and a restarted router must take replicas and re-attaches
-        at once; only a new text prompt waits for it."""
+        """Starts loading the prompt encoder without waiting for it. The fast
+        tokenizer alone loads in milliseconds; transformers (chat templates,
+        logprobs' token strings, a folder the fast path cannot read) takes
+        seconds and holds the GIL while it imports, starving the loop just when
+        a restarted router must take replicas and re-attaches; it is loaded on
+        first use, or now when prompts need it."""
         loop = asyncio.get_running_loop()
-        self._tokenizer = loop.run_in_executor(self.executor, load_tokenizer, self.config.model)
-        self._tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._encoder = loop.run_in_executor(self.executor, load_encoder, self.config.model)
+        self._encoder.add_done_callback(self._encoder_loaded)
+
+    def _encoder_loaded(self, future: asyncio.Future) -> None:
+        if future.cancelled():
+            return   # stopping
+        if future.exception() is not None or future.result() is None:
+            self._load_tokenizer()   # prompts need transformers' tokenizer (or its error)
+
+    def _load_tokenizer(self) -> asyncio.Future:
+        if self._tokenizer is None:
+            loop = asyncio.get_running_loop()
+            self._tokenizer = loop.run_in_executor(self.executor, load_tokenizer, self.config.model)
+            self._tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return self._tokenizer
+
+    @property
+    def tokenizer_requested(self) -> bool:
+        """Whether transformers' tokenizer was needed (and so is loading or loaded)."""
+        return self._tokenizer is not None
 
     async def tokenizer(self):
-        return await asyncio.shield(self._tokenizer)
+        """transformers' tokenizer of the model (loaded on first use)."""
+        return await asyncio.shield(self._load_tokenizer())
+
+    async def _prompt_encoder(self):
+        try:
+            encoder = await asyncio.shield(self._encoder)
+        except Exception:   # an unreadable tokenizer.json: transformers says what is wrong
+            encoder = None
+        return encoder if encoder is not None else await self.tokenizer()
 
     def stop(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -130,8 +160,8 @@ class Admission:
     async def _tokenize(self, prompt: str) -> list[int]:
         loop = asyncio.get_running_loop()
         try:
-            tokenizer = await self.tokenizer()
-            return await loop.run_in_executor(self.executor, encode_prompt, tokenizer, prompt)
+            encoder = await self._prompt_encoder()
+            return await loop.run_in_executor(self.executor, encode_prompt, encoder, prompt)
         except Exception as exc:  # a tokenizer failure is answered, never swallowed
             raise RouterError(grpc.StatusCode.INTERNAL, f"tokenizing the prompt failed: {exc}",
                               "tokenizer") from exc

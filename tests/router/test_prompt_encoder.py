@@ -1,0 +1,59 @@
+"""The router encodes text prompts with the fast tokenizer alone (tokenizer.json):
+the same ids as transformers' tokenizer, without loading transformers, whose
+import holds the GIL for seconds and starved a restarted router's loop."""
+
+import json
+import shutil
+
+import pytest
+from transformers import AutoTokenizer
+
+from common.pb.quadriga.v1 import generation_pb2 as gpb
+from common.tokenizer import encode_prompt, load_encoder
+from tests.support.router_harness import (Replicas, client, collect, make_config, running_router,
+                                          tokens_of)
+
+TEXTS = ["the model", " a leading space", "héllo wörld ✓ 数字", "a\nb\tc  d", "<s> literal", ""]
+
+
+def transformers_ids(folder, text):
+    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    return encode_prompt(tok, text)
+
+
+@pytest.mark.parametrize("model", ["tiny_model", "smollm2_model"])
+def test_the_fast_encoder_gives_transformers_ids(request, model):
+    folder = request.getfixturevalue(model)
+    encoder = load_encoder(str(folder))
+    assert encoder is not None
+    for text in TEXTS:
+        assert encode_prompt(encoder, text) == transformers_ids(folder, text), text
+
+
+def test_a_config_that_transformers_applies_to_the_tokenizer_keeps_transformers(tiny_model,
+                                                                               tmp_path):
+    folder = tmp_path / "bos"
+    shutil.copytree(tiny_model, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["add_bos_token"] = True
+    config_path.write_text(json.dumps(config))
+    assert load_encoder(str(folder)) is None
+
+
+def test_a_text_prompt_is_served_without_loading_transformers_tokenizer(redis_url, tiny_model,
+                                                                        arun):
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            reps = Replicas(app.address, app.limits.vocab_size)
+            await reps.add("r0")
+            async with client(app.address) as stub:
+                msgs = await collect(stub, gpb.GenerateRequest(
+                    prompt="the model", sampling=gpb.SamplingParams(max_tokens=3)))
+            assert len(tokens_of(msgs)) == 3
+            assert not app.admission.tokenizer_requested
+            first = reps["r0"].rec.assignments[0]
+            assert list(first.prompt_token_ids) == transformers_ids(tiny_model, "the model")
+            await reps.close()
+
+    arun(scenario())
