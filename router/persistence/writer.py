@@ -8,9 +8,9 @@ write queued while a batch awaits its replies (a pop behind a step write) is
 sent at once instead of a round trip later. On loopback Redis a window of 4
 measured no clear gain at 1 output token and 20-40% less 64-token throughput,
 as batches got smaller (benchmarks/results/router_overhead_device.json),
-hence the default; a Redis further away is where it may pay. One connection carries every
-batch, so Redis applies them in order, and Redis always holds a prefix of
-the router's history.
+hence the default; a Redis further away is where it may pay. One connection
+carries every batch, so Redis applies them in order, and Redis always holds
+a prefix of the router's history.
 
 Failure model:
 - every round trip has a deadline (`timeout`); a missed deadline or a lost
