@@ -118,15 +118,20 @@ class _CheckedGeneric(grpc.GenericRpcHandler):
     def __init__(self, inner: grpc.GenericRpcHandler, checked: frozenset[str]):
         self._inner = inner
         self._checked = checked
-        self._wrapped: dict[str, grpc.RpcMethodHandler | None] = {}
+        # Only methods the service has: a client naming arbitrary methods must
+        # not grow this (unknown ones are looked up each time and answered
+        # UNIMPLEMENTED by gRPC).
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     def service(self, handler_call_details):
         method = handler_call_details.method
-        if method not in self._wrapped:
+        wrapped = self._wrapped.get(method)
+        if wrapped is None:
             handler = self._inner.service(handler_call_details)
-            self._wrapped[method] = None if handler is None else \
-                _wrap(method, handler, method in self._checked)
-        return self._wrapped[method]
+            if handler is None:
+                return None
+            wrapped = self._wrapped[method] = _wrap(method, handler, method in self._checked)
+        return wrapped
 
 
 class CheckedServer:
