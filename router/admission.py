@@ -60,6 +60,9 @@ class Admission:
     def _encoder_loaded(self, future: asyncio.Future) -> None:
         if future.cancelled():
             return   # stopping
+        if future.exception() is not None:
+            log.warning("the fast tokenizer of %s did not load (%s); prompts are encoded "
+                        "with transformers' tokenizer", self.config.model, future.exception())
         if future.exception() is not None or future.result() is None:
             self._load_tokenizer()   # prompts need transformers' tokenizer (or its error)
 
@@ -82,7 +85,7 @@ class Admission:
     async def _prompt_encoder(self):
         try:
             encoder = await asyncio.shield(self._encoder)
-        except Exception:   # an unreadable tokenizer.json: transformers says what is wrong
+        except Exception:   # an unreadable tokenizer.json (logged): transformers' answers
             encoder = None
         return encoder if encoder is not None else await self.tokenizer()
 

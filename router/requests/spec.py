@@ -65,16 +65,11 @@ class RequestSpec:
         """Identity of the body for the re-attach rule: what is generated, so
         request_id and stream_interval are left out."""
         body = {"p": self.prompt, "ids": list(self.prompt_token_ids), "pr": self.priority,
-                "s": sampling_fields(self.sampling)}
+                "s": self.sampling.set_fields}
         return hashlib.sha256(_CANONICAL.encode(body).encode()).hexdigest()[:32]
 
 
 _SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))
-
-
-def sampling_fields(s: Sampling) -> dict:
-    """The fields that are set, as plain JSON values (shared: do not change it)."""
-    return s.set_fields
 
 
 def sampling_from_fields(d: dict) -> Sampling:
