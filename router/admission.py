@@ -112,11 +112,10 @@ class Admission:
         req, stored = self.table.admit(spec, ids, max_tokens,
                                        self.scheduler.arrival_queue(ids, max_tokens), rid, digest)
         try:
-            # Unshielded: a timeout or a client gone cancels the reply's future;
-            # the writer skips a cancelled future but still stores the submit,
-            # and withdraw removes it once it has landed.
-            async with asyncio.timeout(self.config.submit_timeout):
-                created, value, state = await stored
+            # The writer fails the reply's future past submit_timeout, and a
+            # client gone cancels it; either way the writer still stores the
+            # submit, and withdraw removes it once it has landed.
+            created, value, state = await stored
         except TimeoutError:
             self.table.withdraw(req)
             raise unavailable(f"Redis did not store the request within {self.config.submit_timeout:g} s; "

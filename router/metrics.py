@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from common.pb.quadriga.v1 import generation_pb2 as gpb
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 _LATENCY = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TBT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
@@ -14,9 +15,6 @@ _PREFIX_TOKENS = (0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 655
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.queue_depth = Gauge("quadriga_queue_depth", "Requests queued, not yet assigned", registry=r)
-        self.inflight = Gauge("quadriga_inflight_requests", "Requests running per replica",
-                              ["replica"], registry=r)
         self.replicas = Gauge("quadriga_replicas_connected", "Connected replicas", registry=r)
         self.queue_wait = Histogram("quadriga_queue_wait_seconds", "Accepted to assigned",
                                     buckets=_LATENCY, registry=r)
@@ -79,22 +77,19 @@ class Metrics:
         self._last_round_trips = 0
         self._last_evictions = 0
         # labels() takes a lock and builds a key on every call: children are cached.
-        self._inflight: dict[str, object] = {}
         self._finished: dict[int, object] = {}
         self._out: dict[str, object] = {}
         self._picks: dict[str, object] = {}
         self._prefill_rates: dict[str, object] = {}
 
-    def inflight_of(self, replica_id: str):
-        child = self._inflight.get(replica_id)
-        if child is None:
-            child = self._inflight[replica_id] = self.inflight.labels(replica_id)
-        return child
+    def watch_table(self, table) -> None:
+        """Queue depth and in-flight requests per replica, read from the request
+        table when scraped: nothing to update on the hot path, and a replica's
+        series goes when the table forgets the replica."""
+        self.registry.register(_TableGauges(table))
 
     def forget_replica(self, replica_id: str) -> None:
         """A replica left for good: its labelled series go too (bounded memory)."""
-        if self._inflight.pop(replica_id, None) is not None:
-            self.inflight.remove(replica_id)
         if self._prefill_rates.pop(replica_id, None) is not None:
             self.prefill_rate.remove(replica_id)
 
@@ -133,3 +128,25 @@ class Metrics:
 
     def serve(self, port: int, addr: str = "0.0.0.0"):
         return start_http_server(port, addr=addr, registry=self.registry)
+
+
+class _TableGauges:
+    """A collector of the gauges the request table's indexes already hold.
+    Scrapes run on the metrics server's thread: the table's reads used here
+    copy its dicts in one C call each, which the loop cannot interleave."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        depth = GaugeMetricFamily("quadriga_queue_depth", "Requests queued, not yet assigned")
+        depth.add_metric([], self.table.queued_total)
+        inflight = GaugeMetricFamily("quadriga_inflight_requests", "Requests running per replica",
+                                     labels=["replica"])
+        for replica_id, count in self.table.owned_counts():
+            inflight.add_metric([replica_id], count)
+        yield depth
+        yield inflight

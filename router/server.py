@@ -68,9 +68,11 @@ class RouterApp:
                            config.redis_timeout)
         self.writer = RedisWriter(self.store.lean, max_pending_submits=config.max_pending_submits,
                                   stall_after=config.stall_after,
-                                  max_in_flight=config.redis_max_in_flight, on_stall=self._on_stall)
+                                  max_in_flight=config.redis_max_in_flight,
+                                  reply_timeout=config.submit_timeout, on_stall=self._on_stall)
         self.table = RequestTable(self.store, self.writer, self.metrics, lease_ttl=config.lease_ttl,
                                   max_requeues=config.max_requeues)
+        self.metrics.watch_table(self.table)
         self.registry = Registry()
         self.prefix_index = PrefixIndex(config.prefix_index_max_entries)
         prefix = PrefixMatcher(self.prefix_index, self.metrics, config.prefix_metrics == "all")

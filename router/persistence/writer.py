@@ -7,7 +7,7 @@ batches are out at once (`--redis-max-in-flight`, default 1): with more, a
 write queued while a batch awaits its replies (a pop behind a step write) is
 sent at once instead of a round trip later. On loopback Redis a window of 4
 measured no clear gain at 1 output token and 20-40% less 64-token throughput,
-as batches got smaller (benchmarks/results/router_overhead_device.json),
+as batches got smaller (benchmarks/results/history/router_overhead_device_5f668d0.json),
 hence the default; a Redis further away is where it may pay. One connection
 carries every batch, so Redis applies them in order, and Redis always holds
 a prefix of the router's history.
@@ -79,9 +79,10 @@ class PermanentWriteError(RuntimeError):
 
 class RedisWriter:
     def __init__(self, client: LeanRedis, *, max_pending_submits: int, stall_after: float,
-                 max_batch: int = 512, max_in_flight: int = 1,
+                 max_batch: int = 512, max_in_flight: int = 1, reply_timeout: float = 5.0,
                  on_stall: Callable[[bool], None] | None = None):
         self.client = client
+        self.reply_timeout = reply_timeout
         self.max_in_flight = max_in_flight
         self.max_pending_submits = max_pending_submits
         self.stall_after = stall_after
@@ -104,6 +105,10 @@ class RedisWriter:
         self._idle.set()
         self._task: asyncio.Task | None = None
         self._stall_timer: asyncio.TimerHandle | None = None
+        # call_timed's futures with their expiry (loop time), in call order: one
+        # timeout for all, so the oldest expires first and one timer suffices.
+        self._timed: collections.deque[tuple[float, asyncio.Future]] = collections.deque()
+        self._timed_timer: asyncio.TimerHandle | None = None
 
     # ---- queueing ----
     def start(self) -> None:
@@ -132,6 +137,32 @@ class RedisWriter:
         self.post(write)
         return write.future
 
+    def call_timed(self, write: Write) -> asyncio.Future:
+        """As call, but the future fails with TimeoutError once reply_timeout has
+        passed without the reply; the write itself stays queued (nothing
+        accepted is dropped). One lazy timer for all, not one per call: this is
+        every submit's path."""
+        future = self.call(write)
+        loop = asyncio.get_running_loop()
+        timed = self._timed
+        while timed and timed[0][1].done():
+            timed.popleft()
+        timed.append((loop.time() + self.reply_timeout, future))
+        if self._timed_timer is None:
+            self._timed_timer = loop.call_at(timed[0][0], self._expire_timed)
+        return future
+
+    def _expire_timed(self) -> None:
+        self._timed_timer = None
+        loop = asyncio.get_running_loop()
+        now, timed = loop.time(), self._timed
+        while timed and (timed[0][1].done() or timed[0][0] <= now):
+            _, future = timed.popleft()
+            if not future.done():
+                future.set_exception(TimeoutError(f"no reply from Redis within {self.reply_timeout:g} s"))
+        if timed:
+            self._timed_timer = loop.call_at(timed[0][0], self._expire_timed)
+
     def accepting(self) -> str | None:
         """None when new submits may be queued, else why not."""
         if self.failing_since is not None and time.monotonic() - self.failing_since > self.client.timeout:
@@ -159,6 +190,9 @@ class RedisWriter:
             return False
 
     async def stop(self) -> None:
+        if self._timed_timer is not None:
+            self._timed_timer.cancel()
+            self._timed_timer = None
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -204,6 +238,12 @@ class RedisWriter:
 
     async def _start_next(self) -> None:
         """Sends the next batch of unsent writes, without waiting for its replies."""
+        # One turn of the loop first: what the tasks woken with this one write
+        # (the pop an arrival or a flight's replies kicked) joins this batch
+        # instead of waiting a round trip for the next.
+        await asyncio.sleep(0)
+        if self.fenced or self._unsent_from >= len(self._pending):
+            return
         first = self._unsent_from
         batch = [self._pending[i] for i in range(first, min(len(self._pending), first + self.max_batch))]
         self._unsent_from += len(batch)

@@ -27,7 +27,7 @@ def state_from_record(rec: dict) -> RequestState:
                        arrival=_f(rec, "at"))
     req.submit_token = rec.get("tok", b"").decode()
     req.queue = rec.get("q", b"").decode()
-    req.confirmed = True
+    req.confirmed = req.poppable = True
     req.assignments = int(_f(rec, "n"))
     take_output(req, rec)
     take_timings(req, rec)

@@ -59,6 +59,10 @@ class RequestState:
         self.order = (-spec.priority, arrival)   # queue order within this router
         self.submit_token = ""
         self.confirmed = False                # its submit is durable in Redis
+        # A pop may take it: once confirmed, or from admission when the router
+        # made its id (no other request can hold that id in Redis, so its submit
+        # cannot be refused, and the ordered writer sends any pop after it).
+        self.poppable = False
         self.front = False                    # Redis names this router among its fronts
         self.phase = Phase.QUEUED
         self.queue = ""                       # queue name while QUEUED

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field, fields
-from functools import cached_property
 
 # Reused encoders: json.dumps builds a new encoder per call unless its arguments
 # are the defaults, and these run for every request.
@@ -34,22 +33,21 @@ class Sampling:
     repetition_penalty: float | None = None
     logprobs: int | None = None         # None: none; k: the sampled token's and the top k
 
-    @cached_property
-    def set_fields(self) -> dict:
-        """The fields that are set, as plain JSON values (what Redis keeps).
-        Computed once per request (digest, submit and Assign all read it); the
-        dict is shared, so callers must not change it."""
+    # The fields that are set, as plain JSON values (what Redis keeps), and their
+    # JSON: made once, at construction, as every request reads them (digest,
+    # submit, Assign). The dict is shared, so callers must not change it.
+    set_fields: dict = field(init=False, repr=False, compare=False)
+    set_fields_json: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
         out = {}
         for k in _SAMPLING_FIELDS:  # a shallow read: asdict's deep copy cost every submit
             v = getattr(self, k)
             if v is None or v == () or v is False:
                 continue
             out[k] = list(v) if isinstance(v, tuple) else v
-        return out
-
-    @cached_property
-    def set_fields_json(self) -> str:
-        return _COMPACT.encode(self.set_fields)
+        object.__setattr__(self, "set_fields", out)
+        object.__setattr__(self, "set_fields_json", _COMPACT.encode(out))
 
 
 @dataclass(frozen=True)
@@ -69,7 +67,7 @@ class RequestSpec:
         return hashlib.sha256(_CANONICAL.encode(body).encode()).hexdigest()[:32]
 
 
-_SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))
+_SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling) if f.init)
 
 
 def sampling_from_fields(d: dict) -> Sampling:

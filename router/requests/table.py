@@ -47,6 +47,10 @@ REPLICA_QUEUE_PREFIX = "r:"
 SHARED_QUEUE = "pending"
 
 
+def _poppable(req: RequestState) -> bool:
+    return req.poppable
+
+
 class RequestTable(CrossRouter):
     def __init__(self, store: Store, writer: RedisWriter, metrics, *, lease_ttl: float,
                  max_requeues: int):
@@ -61,7 +65,7 @@ class RequestTable(CrossRouter):
         self._owned: dict[str, dict[str, RequestState]] = {}
         self._detached: dict[str, RequestState] = {}
         self._load: dict[str, int] = {}
-        self._confirmed: dict[str, int] = {}
+        self._poppable: dict[str, int] = {}
         self._withdrawing: set[str] = set()
         self._attaching: dict[str, list] = {}   # ATTACH in flight: events that wait for it
         self._tokens = itertools.count()
@@ -83,18 +87,24 @@ class RequestTable(CrossRouter):
         return sorted(self._queued.get(queue, {}).values(), key=lambda r: r.order)
 
     def oldest_queued(self, queue: str, n: int) -> list[RequestState]:
-        """The first n poppable (confirmed) requests of a queue, in queue order."""
+        """The first n poppable requests of a queue, in queue order."""
         order = self._order.get(queue)
-        return order.first(n, lambda r: r.confirmed) if order is not None else []
+        return order.first(n, _poppable) if order is not None else []
 
     def queued_count(self, queue: str) -> int:
-        """Queued requests whose submit is durable: only those are popped, so a
-        pop can never take a record this router has not confirmed as its own."""
-        return self._confirmed.get(queue, 0)
+        """Queued requests a pop may take (RequestState.poppable): only those are
+        popped, so a pop never takes a record that is not this router's own."""
+        return self._poppable.get(queue, 0)
 
     @property
     def queued_total(self) -> int:
-        return sum(len(q) for q in self._queued.values())
+        # list() first: one C call, so a metrics scrape on another thread reads
+        # a consistent set of queues (metrics.py).
+        return sum(len(q) for q in list(self._queued.values()))
+
+    def owned_counts(self) -> list[tuple[str, int]]:
+        """(replica id, requests it owns) for every replica the table indexes."""
+        return [(rid, len(owned)) for rid, owned in list(self._owned.items())]
 
     def owned_by(self, replica_id: str) -> list[RequestState]:
         return list(self._owned.get(replica_id, {}).values())
@@ -121,31 +131,27 @@ class RequestTable(CrossRouter):
         req.phase, req.queue, req.owner = Phase.QUEUED, queue, None
         self._queued.setdefault(queue, {})[req.id] = req
         self._order.setdefault(queue, QueueOrder()).add(req)
-        if req.confirmed:
-            self._confirmed[queue] = self._confirmed.get(queue, 0) + 1
+        if req.poppable:
+            self._poppable[queue] = self._poppable.get(queue, 0) + 1
         self._add_load(queue, req.cost)
-        self.metrics.queue_depth.inc()
 
     def _dequeue(self, req: RequestState) -> None:
         del self._queued[req.queue][req.id]
         self._order[req.queue].remove(req)
-        if req.confirmed:
-            self._confirmed[req.queue] -= 1
+        if req.poppable:
+            self._poppable[req.queue] -= 1
         self._add_load(req.queue, -req.cost)
         req.queue = ""
-        self.metrics.queue_depth.dec()
 
     def _own(self, req: RequestState, replica_id: str) -> None:
         req.owner = replica_id
         self._owned.setdefault(replica_id, {})[req.id] = req
         self._load[replica_id] = self._load.get(replica_id, 0) + req.cost
-        self.metrics.inflight_of(replica_id).inc()
 
     def _disown(self, req: RequestState) -> None:
         owner = req.owner
         del self._owned[owner][req.id]
         self._load[owner] -= req.cost
-        self.metrics.inflight_of(owner).dec()
         self._detached.pop(req.id, None)
         req.owner = None
 
@@ -161,35 +167,46 @@ class RequestTable(CrossRouter):
             self._owned.pop(replica_id, None)
             self._queued.pop(queue, None)
             self._order.pop(queue, None)
-            self._confirmed.pop(queue, None)
+            self._poppable.pop(queue, None)
             self._load.pop(replica_id, None)
 
     # ---- admit ----
     def admit(self, spec: RequestSpec, prompt_ids: list[int], max_tokens: int, queue: str,
               rid: str, digest: str):
-        """A new request, QUEUED in memory; returns it and the future of its submit write."""
+        """A new request, QUEUED in memory; returns it and the future of its submit
+        write, which fails with TimeoutError past the writer's reply_timeout."""
         assert rid not in self.requests, rid
         now = time.time()
         req = RequestState(spec, prompt_ids, rid=rid, digest=digest, max_tokens=max_tokens,
                            arrival=now)
         req.submit_token = f"{self._epoch}:{next(self._tokens)}"
         req.front = True
+        # An id the router made is in no other request, so this submit cannot be
+        # refused: a pop may take it at once, as the writer sends the pop after
+        # it (pops and submits then share a round trip, the client waits one
+        # less). A client's id may be taken in Redis: it waits for the reply.
+        req.poppable = not spec.request_id
         self.requests[rid] = req
         self._enqueue(req, queue)
         spec_json = spec.sampling.set_fields_json
-        future = self.writer.call(self.store.submit(
+        future = self.writer.call_timed(self.store.submit(
             rid, req.submit_token, digest, spec_json, prompt_ids, max_tokens, spec.priority, now,
             spec.stream_interval, queue))
+        if req.poppable:
+            self.on_queued()
         return req, future
 
     def confirm(self, req: RequestState) -> None:
-        """Its submit is durable: it may be popped."""
+        """Its submit is durable: it may be popped, if it was not already."""
         assert not req.confirmed, req.id
         req.confirmed = True
-        if req.phase is Phase.QUEUED:
-            self._confirmed[req.queue] = self._confirmed.get(req.queue, 0) + 1
         self.metrics.accepted.inc()
         self.metrics.prompt_tokens.inc(req.prompt_len)
+        if req.poppable:
+            return
+        req.poppable = True
+        if req.phase is Phase.QUEUED:
+            self._poppable[req.queue] = self._poppable.get(req.queue, 0) + 1
         self.on_queued()
 
     def forget_unstored(self, req: RequestState) -> None:
