@@ -162,6 +162,50 @@ def test_acks_are_coalesced_and_the_last_covers_every_step(redis_url, tiny_model
     arun(scenario())
 
 
+def test_table_gauges_scrape_under_load_and_return_to_zero(redis_url, tiny_model, arun):
+    """The queue-depth and in-flight gauges are read from the request table on
+    the metrics server's thread while the loop serves 200 requests: every
+    scrape succeeds and shows both, and both read zero once all is done."""
+    import re
+    import threading
+
+    async def scenario():
+        port = free_port()
+        async with running_router(make_config(redis_url, tiny_model, metrics_port=port)) as app:
+            reps = Replicas(app.address, app.limits.vocab_size)
+            await reps.add("r0")
+            await reps.add("r1")
+            url = f"http://127.0.0.1:{port}/metrics"
+            failures, scrapes, stop = [], [0], threading.Event()
+
+            def scrape_loop():
+                while not stop.is_set():
+                    try:
+                        text = urllib.request.urlopen(url, timeout=5).read().decode()
+                        assert "quadriga_queue_depth " in text, "no queue depth"
+                        assert "quadriga_inflight_requests" in text, "no in-flight gauge"
+                        scrapes[0] += 1
+                    except Exception as exc:  # recorded: the test fails on any
+                        failures.append(repr(exc))
+
+            scraper = threading.Thread(target=scrape_loop, daemon=True)
+            scraper.start()
+            try:
+                async with client(app.address) as stub:
+                    await asyncio.gather(*(collect(stub, request([1 + i % 7], 3)) for i in range(200)))
+            finally:
+                stop.set()
+                await asyncio.get_running_loop().run_in_executor(None, scraper.join, 10)
+            assert not failures, failures[:3]
+            assert scrapes[0] > 0, "no scrape ran while requests were served"
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            assert re.search(r"^quadriga_queue_depth 0\.0$", text, re.M), text
+            assert re.findall(r'^quadriga_inflight_requests\{replica="r[01]"\} 0\.0$', text, re.M)
+            await reps.close()
+
+    arun(scenario())
+
+
 def test_a_departed_replicas_metric_series_are_removed(redis_url, tiny_model, arun):
     async def scenario():
         port = free_port()
