@@ -70,7 +70,7 @@ def test_a_router_made_id_whose_submit_times_out_is_withdrawn_though_its_pop_ran
                         pass
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
                 proxy.release()
-                await wait_until(lambda: not app.table._withdrawing, timeout=10)
+                await wait_until(lambda: not app.table.requests, timeout=10)   # abandon landed
             assert not rep.rec.assignments
             await reps.close()
             await assert_clean(app)
