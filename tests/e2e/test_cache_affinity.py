@@ -63,11 +63,13 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(live_stack, hf_referenc
 
 def test_an_uncached_request_is_served_once_it_has_waited_its_bound(live_stack, hf_reference):
     """One seat, so requests run one after another, each of the cached ones for
-    60 steps. A cold request arrives ahead of 8 that share a cached prefix.
+    150 steps. A cold request arrives ahead of 8 that share a cached prefix.
     Cached tokens alone decide (--pull-affinity-wait-weight 0), so the cached
-    ones pass it until it has waited 1 s: then it is served next. Strict FIFO
-    would serve it first; affinity without the bound, last."""
-    stack = live_stack("pull", ["--pull-affinity-max-wait", "1", "--pull-affinity-wait-weight", "0"])
+    ones pass it until it has waited 0.5 s: then it is served next. Strict FIFO
+    would serve it first; affinity without the bound, last. (Six of the cached
+    ones must take well over the bound: at 60 steps each, about 0.1 s here,
+    all eight ran within a 1 s bound, and the cold one was rightly last.)"""
+    stack = live_stack("pull", ["--pull-affinity-max-wait", "0.5", "--pull-affinity-wait-weight", "0"])
     stack.start_replica("r0", "--max-num-seqs", "1")
     cold = [300 + (7 * i) % 200 for i in range(101)]
     warm = [prefixed(i) for i in range(1, 9)]
@@ -75,7 +77,7 @@ def test_an_uncached_request_is_served_once_it_has_waited_its_bound(live_stack, 
     async def scenario():
         first_token = {}
 
-        async def one(name, prompt, n=60):
+        async def one(name, prompt, n=150):
             out = await generate(stack.address, prompt, n, progress=progress[name])
             return name, prompt, n, out
 
