@@ -66,6 +66,7 @@ class ReplicaWorker:
         self._lease_ttl_s = 10.0
         self._heartbeat_s = 1.0
         self._disconnected_at: float | None = None
+        self._step_credit = False   # this session's router applies StepOutputs.pull
         self._last_heard = time.monotonic()   # the last message from the router
         self.draining = False
         self._drain_deadline = float("inf")
@@ -278,6 +279,7 @@ class ReplicaWorker:
         self._lease_ttl_s = reg.lease_ttl_s or self._lease_ttl_s
         self._heartbeat_s = reg.heartbeat_interval_s or self._heartbeat_s
         self._disconnected_at = None
+        self._step_credit = reg.step_credit
         resend, abort = self.book.replay(set(reg.keep_request_ids))
         for rid in abort:
             self.engine_loop.submit(AbortRequest(rid))
@@ -396,14 +398,19 @@ class ReplicaWorker:
                 deltas.append(msg)
         if not connected:
             return
+        grant = None if self.draining else \
+            self.credit.grant(report.capacity, len(self.book.queued), self.book.queued_tokens)
+        pull = pb.Pull(max_requests=grant[0], max_prompt_tokens=grant[1]) if grant else None
         if deltas:
-            self._send(pb.ReplicaMessage(step=pb.StepOutputs(
+            step = pb.StepOutputs(
                 step_id=seq, deltas=deltas, batch_size=res.batch_size,
                 num_tokens=res.num_tokens, step_time_s=res.step_time,
-                free_kv_blocks=report.load.free_kv_blocks, kv_events=self._kv_events_pb())))
+                free_kv_blocks=report.load.free_kv_blocks, kv_events=self._kv_events_pb())
+            if pull is not None and self._step_credit:
+                step.pull.CopyFrom(pull)  # the credit this step's finishes freed rides with them
+                pull = None
+            self._send(pb.ReplicaMessage(step=step))
         else:
             self._send_kv_events()
-        if not self.draining:
-            grant = self.credit.grant(report.capacity, len(self.book.queued), self.book.queued_tokens)
-            if grant:
-                self._send(pb.ReplicaMessage(pull=pb.Pull(max_requests=grant[0], max_prompt_tokens=grant[1])))
+        if pull is not None:
+            self._send(pb.ReplicaMessage(pull=pull))

@@ -99,7 +99,7 @@ class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
         log.info("replica %s joined (model %s, keeps %d)", session.id, reg.model, len(keep))
         session.send(rpb.RouterMessage(registered=rpb.Registered(
             heartbeat_interval_s=self.config.heartbeat_interval, lease_ttl_s=self.config.lease_ttl,
-            policy=self.config.policy, keep_request_ids=keep)))
+            policy=self.config.policy, keep_request_ids=keep, step_credit=True)))
         outcome = {"requeue": False, "reason": "stream_ended"}
         reader = asyncio.get_running_loop().create_task(self._read(it, session, outcome))
         try:
@@ -126,6 +126,8 @@ class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
                 self._in[kind or "none"].inc()
                 if kind == "step":
                     ops.on_step(session, msg.step)
+                    if msg.step.HasField("pull"):
+                        ops.on_pull(session, msg.step.pull)  # after the deltas whose finishes freed it
                 elif kind == "pull":
                     ops.on_pull(session, msg.pull)
                 elif kind == "heartbeat":

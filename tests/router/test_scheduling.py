@@ -121,6 +121,29 @@ def test_outstanding_pull_is_served_on_arrival(redis_url, tiny_model, arun):
     arun(scenario())
 
 
+def test_credit_inside_a_step_is_applied_after_its_deltas(redis_url, tiny_model, arun):
+    """A one-seat replica that grants each freed seat inside the step that
+    freed it keeps being assigned, as one that sends a Pull after the step
+    (what a replica does for a router that did not offer step_credit)."""
+    async def scenario(step_credit: bool):
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            vocab = app.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            rep = await reps.add("r", capacity=1, step_credit=step_credit)
+            assert rep.rec.registered[-1].step_credit
+            prompts = [[i + 1, 7] for i in range(6)]
+            async with client(app.address) as stub:
+                results = await asyncio.gather(*(collect(stub, request(p, 2)) for p in prompts))
+            assert [tokens_of(m) for m in results] == [expected_tokens(p, 2, vocab) for p in prompts]
+            await reps.close()
+            return rep.rec
+
+    rec = arun(scenario(True))
+    assert len(rec.pulls) == 1 and len(rec.step_pulls) == 6, (rec.pulls, rec.step_pulls)
+    rec = arun(scenario(False))
+    assert len(rec.pulls) == 7 and not rec.step_pulls, (rec.pulls, rec.step_pulls)
+
+
 def test_priority_then_arrival_order(redis_url, tiny_model, arun):
     async def scenario():
         reqs = [request([1], 1, request_id="low", priority=-1), request([2], 1, request_id="mid1"),

@@ -65,6 +65,7 @@ class Knobs:
     hash_scheme: str = SCHEME
     cached: tuple[int, ...] = ()      # block hashes held from the start
     cache_prompts: bool = False       # store each prompt's full blocks at its first step
+    step_credit: bool = True          # a step's credit rides in it when the router takes that
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Record:
     assignments: list = field(default_factory=list)   # every Assignment received
     cancels: list = field(default_factory=list)
     pulls: list = field(default_factory=list)         # (max_requests, max_prompt_tokens)
+    step_pulls: list = field(default_factory=list)    # the same, of credit sent inside a step
     registered: list = field(default_factory=list)
     drained: bool = False
     errors: list = field(default_factory=list)        # status codes the stream ended with
@@ -126,8 +128,12 @@ class ScriptedReplica:
     def pull(self, max_requests: int, max_prompt_tokens: int = 0) -> None:
         """max_prompt_tokens 0: no token limit (the field left out)."""
         self.rec.pulls.append((max_requests, max_prompt_tokens))
+        self._send(rpb.ReplicaMessage(pull=self._pull_pb(max_requests, max_prompt_tokens)))
+
+    @staticmethod
+    def _pull_pb(max_requests: int, max_prompt_tokens: int) -> rpb.Pull:
         limit = {"max_prompt_tokens": max_prompt_tokens} if max_prompt_tokens else {}
-        self._send(rpb.ReplicaMessage(pull=rpb.Pull(max_requests=max_requests, **limit)))
+        return rpb.Pull(max_requests=max_requests, **limit)
 
     def grant_seats(self, max_requests: int) -> None:
         """A Pull of seats alone: max_prompt_tokens present and 0 adds no tokens."""
@@ -232,12 +238,19 @@ class ScriptedReplica:
             self.hand_back(list(self.running) + list(self.waiting))
 
     def _maybe_pull(self) -> None:
+        room = self._grant()
+        if room:
+            self.pull(room, self.knobs.pull_tokens)
+
+    def _grant(self) -> int:
+        """Seats to grant now (0: none), counted as outstanding once returned."""
         if not self.knobs.auto_pull or self._draining:
-            return
+            return 0
         room = self.knobs.capacity - len(self.running) - len(self.waiting)
         if room > max(self._outstanding, 0):
             self._outstanding = room
-            self.pull(room, self.knobs.pull_tokens)
+            return room
+        return 0
 
     async def _heartbeats(self) -> None:
         await self.connected.wait()
@@ -262,10 +275,17 @@ class ScriptedReplica:
                 self._work.clear()
                 await self._work.wait()
                 continue
-            self._send(rpb.ReplicaMessage(step=self._step()))
+            step = self._step()
+            room = self._grant()
+            if room and k.step_credit and self.rec.registered[-1].step_credit:
+                self.rec.step_pulls.append((room, k.pull_tokens))
+                step.pull.CopyFrom(self._pull_pb(room, k.pull_tokens))
+                room = 0
+            self._send(rpb.ReplicaMessage(step=step))
             self.steps += 1
             self._after_step(call)
-            self._maybe_pull()
+            if room:
+                self.pull(room, k.pull_tokens)
 
     def _step(self) -> rpb.StepOutputs:
         k = self.knobs

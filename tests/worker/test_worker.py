@@ -178,3 +178,29 @@ def test_drain_timeout_holds_while_the_router_is_away():
         await asyncio.wait_for(task, 3)
         assert not engine.reqs and not worker.book.live
     run(main())
+
+
+def test_the_credit_a_finish_frees_rides_in_its_step_when_the_router_takes_it():
+    """A router whose Registered set step_credit gets a freed seat inside the
+    StepOutputs that finished its request; one that did not (an older router)
+    gets it as a Pull message after that step, or the replica would starve."""
+    async def main(step_credit: bool):
+        engine = FakeEngine(seats=1, tokens=100, length=1)
+        worker = make_worker(engine)
+        worker._step_credit = step_credit
+        async with Wired(worker) as w:
+            worker.engine_loop.request_report()
+            assert (await w.next("pull")).pull.max_requests == 1
+            assign(worker, assignment("a", max_tokens=1))
+            msgs = [m for m in await w.settle(0.3) if m is not None]
+        kinds = [m.WhichOneof("kind") for m in msgs]
+        step = next(m.step for m in msgs if m.WhichOneof("kind") == "step")
+        assert [d.request_id for d in step.deltas if d.HasField("finish_reason")] == ["a"]
+        return kinds, step
+
+    kinds, step = run(main(True))
+    assert "pull" not in kinds, kinds
+    assert step.HasField("pull") and step.pull.max_requests == 1
+    kinds, step = run(main(False))
+    assert not step.HasField("pull")
+    assert kinds.index("pull") > kinds.index("step"), kinds

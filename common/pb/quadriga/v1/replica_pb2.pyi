@@ -110,7 +110,7 @@ class RequestDelta(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., output_offset: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., first_scheduled_at: _Optional[float] = ..., preemptions: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
-    __slots__ = ("step_id", "deltas", "batch_size", "num_tokens", "step_time_s", "free_kv_blocks", "kv_events")
+    __slots__ = ("step_id", "deltas", "batch_size", "num_tokens", "step_time_s", "free_kv_blocks", "kv_events", "pull")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class StepOutputs(_message.Message):
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     deltas: _containers.RepeatedCompositeFieldContainer[RequestDelta]
     batch_size: int
@@ -125,7 +126,8 @@ class StepOutputs(_message.Message):
     step_time_s: float
     free_kv_blocks: int
     kv_events: KVEvents
-    def __init__(self, step_id: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ..., batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., free_kv_blocks: _Optional[int] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ...) -> None: ...
+    pull: Pull
+    def __init__(self, step_id: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ..., batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., free_kv_blocks: _Optional[int] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ..., pull: _Optional[_Union[Pull, _Mapping]] = ...) -> None: ...
 
 class HandBack(_message.Message):
     __slots__ = ("request_ids",)
@@ -148,16 +150,18 @@ class ReplicaMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., pull: _Optional[_Union[Pull, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., step: _Optional[_Union[StepOutputs, _Mapping]] = ..., hand_back: _Optional[_Union[HandBack, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
-    __slots__ = ("heartbeat_interval_s", "lease_ttl_s", "policy", "keep_request_ids")
+    __slots__ = ("heartbeat_interval_s", "lease_ttl_s", "policy", "keep_request_ids", "step_credit")
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     KEEP_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_CREDIT_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_s: float
     lease_ttl_s: float
     policy: str
     keep_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., policy: _Optional[str] = ..., keep_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    step_credit: bool
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., policy: _Optional[str] = ..., keep_request_ids: _Optional[_Iterable[str]] = ..., step_credit: _Optional[bool] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "resume_token_ids", "arrival_time", "resume_text_len", "stream_interval")
