@@ -8,6 +8,7 @@ scheduled in advance). The router's event loop is what saturates.
     .venv/bin/python -m benchmarks.router.overhead            # writes benchmarks/results/router_overhead.json
     .venv/bin/python -m benchmarks.router.overhead --rates 100 500 --duration 5
     .venv/bin/python -m benchmarks.router.overhead --rates 500 --profile out.txt   # py-spy on the router
+    .venv/bin/python -m benchmarks.router.overhead --compare .baseline --paired 0-6:8-14 --repeats 4   # both at once
 
 Definitions (also written into the JSON):
   router_added   router accepted -> finished (RequestTimings.end_to_end_s) with a
@@ -51,6 +52,8 @@ DEFINITIONS = {
                       "client responses out, replica messages in (step, pull, heartbeat) and out (assign)",
     "redis_round_trips_per_request": "router's own count (Lua calls and pipelines) / completed",
     "redis_commands_per_request": "Redis-side work: INFO commandstats calls delta / completed (counts the EVALSHA and every command its script runs)",
+    "redis_cpu_ms_per_request": "the Redis server's user+sys CPU during the rate / completed "
+                                "(its scripts run on every round trip's critical path)",
     "redis_script_calls_per_request": "EVALSHA calls / completed (each runs the fence once)",
 }
 
@@ -69,6 +72,12 @@ def redis_calls(r) -> tuple[int, int]:
     total = sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info",))
     scripts = sum(v["calls"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
     return total, scripts
+
+
+def redis_cpu_seconds(r) -> float:
+    """The Redis server's own CPU (user+sys) so far: the scripts' cost on every round trip."""
+    cpu = r.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
 
@@ -163,6 +172,12 @@ def parse_args(argv=None):
                    help="also run this tree's router with extra arguments, side by side, "
                         "e.g. window1='--redis-max-in-flight 1' (repeatable)")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--paired", metavar="CPUS:CPUS",
+                   help="with exactly two sides: run them at the same time, each with its own "
+                        "Redis, replicas and load generator pinned to one CPU set (e.g. 0-6:8-14), "
+                        "the sets swapped every repeat; the host's drift between runs then "
+                        "falls on both sides alike")
+    p.add_argument("--only", help=argparse.SUPPRESS)   # internal: run this one side
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/router_overhead.json"))
     p.add_argument("--profile", help="py-spy record the router during each rate into this "
                                      "file (collapsed stacks; one file per rate)")
@@ -195,6 +210,7 @@ def measure(args, router, address: str, mport: int, r, vocab: int, rate: float,
     py = sys.executable
     time.sleep(1.1)  # the router publishes its round-trip counter each heartbeat
     before, calls_before, cpu_before = scrape(mport), redis_calls(r), cpu_seconds(router.pid)
+    redis_cpu_before = redis_cpu_seconds(r)
     spy = None
     if profile:
         from benchmarks.router.peers import find_py_spy
@@ -216,6 +232,7 @@ def measure(args, router, address: str, mport: int, r, vocab: int, rate: float,
         raise SystemExit(f"load generator failed:\n{out.stderr}")
     row = json.loads(out.stdout.strip().splitlines()[-1])
     cpu = cpu_seconds(router.pid) - cpu_before
+    redis_cpu = redis_cpu_seconds(r) - redis_cpu_before
     time.sleep(1.1)
     after, calls_after = scrape(mport), redis_calls(r)
     if spy is not None:
@@ -231,6 +248,7 @@ def measure(args, router, address: str, mport: int, r, vocab: int, rate: float,
     row.update(router_cpu_ms_per_request=cpu / n * 1e3, router_cpu_util=cpu / wall,
                messages_in_per_s=msgs_in / wall, messages_out_per_s=msgs_out / wall,
                messages_per_s=(msgs_in + msgs_out) / wall,
+               redis_cpu_ms_per_request=redis_cpu / n * 1e3,
                redis_commands_per_request=(calls_after[0] - calls_before[0]) / n,
                redis_script_calls_per_request=(calls_after[1] - calls_before[1]) / n,
                redis_round_trips_per_request=delta("quadriga_redis_round_trips_total") / n)
@@ -259,7 +277,57 @@ def run_side(args, work: Path, name: str, tree: Path, extra: list[str]) -> list[
                       f"({row['router_cpu_util']:.0%})  msgs/s {row['messages_per_s']:5.0f}  "
                       f"rt/req {row['redis_round_trips_per_request']:.2f}  "
                       f"cmds/req {row['redis_commands_per_request']:.1f}  "
+                      f"redis cpu/req {row['redis_cpu_ms_per_request'] * 1e3:.0f} us  "
                       f"scripts/req {row['redis_script_calls_per_request']:.2f}  fail {row['failures']}", flush=True)
+    return rows
+
+
+def parse_cpus(text: str) -> set[int]:
+    cpus = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def run_paired(args, work: Path, names: list[str]) -> list[dict]:
+    """Both sides at once, one child run each (this script with --only), pinned
+    to disjoint CPU sets that swap every repeat; every process a child starts
+    inherits its CPU set."""
+    if len(names) != 2:
+        raise SystemExit(f"--paired needs exactly two sides, not {names}")
+    cpu_sets = [parse_cpus(part) for part in args.paired.split(":")]
+    if len(cpu_sets) != 2 or cpu_sets[0] & cpu_sets[1]:
+        raise SystemExit("--paired takes two disjoint CPU sets, e.g. 0-6:8-14")
+    passed = [a for a in (sys.argv[1:] if args.argv is None else args.argv)]
+    base = []
+    skip = False
+    for a in passed:   # the children get everything but the pairing and repeats
+        if skip:
+            skip = False
+            continue
+        if a in ("--paired", "--repeats", "--out"):
+            skip = True
+            continue
+        if a.startswith(("--paired=", "--repeats=", "--out=")):
+            continue
+        base.append(a)
+    rows = []
+    for repeat in range(args.repeats):
+        children = []
+        for i, name in enumerate(names):
+            cpus = cpu_sets[(i + repeat) % 2]
+            out = work / f"pair{repeat}-{name}.json"
+            cmd = [sys.executable, "-m", "benchmarks.router.overhead", *base, "--only", name,
+                   "--repeats", "1", "--out", str(out)]
+            children.append((name, cpus, out, subprocess.Popen(
+                cmd, cwd=ROOT, env=project_env(), preexec_fn=lambda c=cpus: os.sched_setaffinity(0, c))))
+        for name, cpus, out, proc in children:
+            if proc.wait() != 0:
+                raise SystemExit(f"paired side {name} failed (exit {proc.returncode})")
+            for row in json.loads(out.read_text())["rows"]:
+                row.update(pair=repeat, cpus=f"{min(cpus)}-{max(cpus)}")
+                rows.append(row)
     return rows
 
 
@@ -278,6 +346,7 @@ def tree_commit(tree: Path) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.argv = argv
     if args.client:
         return client_main(args)
     work = Path(tempfile.mkdtemp(prefix="router-bench-"))
@@ -291,10 +360,15 @@ def main(argv=None) -> int:
         name, tree = (name, tree) if sep else ("baseline", spec)
         compared.append((name, Path(tree).resolve(), []))
     sides += compared
+    if args.only:
+        sides = [s for s in sides if s[0] == args.only]
     rows = []
-    for repeat in range(args.repeats):
-        for name, tree, extra in sides:
-            rows += run_side(args, work / f"{name}-{repeat}", name, tree, extra)
+    if args.paired:
+        rows = run_paired(args, work, [name for name, _, _ in sides])
+    else:
+        for repeat in range(args.repeats):
+            for name, tree, extra in sides:
+                rows += run_side(args, work / f"{name}-{repeat}", name, tree, extra)
     result = {
         "command": " ".join(shlex.quote(a) for a in [
             "flock", "/tmp/quadriga-bench.lock", ".venv/bin/python", "-m",
@@ -304,6 +378,8 @@ def main(argv=None) -> int:
         "workload": "16-token prompts, output_tokens greedy tokens each, replicas answer at once "
                     "(one StepOutputs per step for all their requests); Poisson arrivals",
         "sides": {name: " ".join([str(tree), *extra]) for name, tree, extra in sides},
+        "paired": (f"both sides at once, each pinned to one of the CPU sets {args.paired}, "
+                   "swapped every repeat; rows of one repeat share a 'pair'") if args.paired else None,
         "definitions": DEFINITIONS,
         "duration_s": args.duration,
         "rows": rows,

@@ -3,7 +3,10 @@
 # copy of the tree and a carry made by prepare-device-cpu-carry.sh:
 #   bash benchmarks/router/run_device_cpu.sh CARRY OUT overhead   # this router beside .baseline's  (RATES="250 500 1000", REPEATS=3 for more,
 #                                                                  # VARIANT="name=router args" for this router with other settings too,
-#                                                                  # COMPARE="name=TREE ..." for more trees beside .baseline)
+#                                                                  # COMPARE="name=TREE ..." for more trees beside .baseline,
+#                                                                  # PAIRED=0-6:8-14 both sides at once on those CPU sets, then
+#                                                                  # BASELINE=0 and one VARIANT or COMPARE make the second side;
+#                                                                  # TOKENS="1 64", NAME=router_overhead_device)
 #   bash benchmarks/router/run_device_cpu.sh CARRY OUT profile    # the same sides, one rate each, under py-spy (non-blocking;
 #                                                                  # NATIVE=1: C frames too, but py-spy then stops the router at
 #                                                                  # every sample and the router sustains a tenth of the rate):
@@ -17,13 +20,15 @@ source benchmarks/router/peers-env.sh "$carry"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
 note="H200 host, $(nproc) cores, nothing else running; router, scripted replicas, Redis and the load generator share them"
 echo "load before: $(cat /proc/loadavg)"
-compare=(--compare .baseline)
+compare=()
+[ "${BASELINE:-1}" = 0 ] || compare=(--compare .baseline)
 for c in ${COMPARE:-}; do compare+=(--compare "$c"); done
 case "$phase" in
   overhead)
     [ -d .baseline/router ] || { echo "no .baseline/ (git archive of the commit to compare with)"; exit 2; }
     timeout 560 python3 -m benchmarks.router.overhead "${compare[@]}" --rates ${RATES:-500} \
-        --output-tokens 1 64 --repeats ${REPEATS:-2} --duration 5 ${VARIANT:+--variant "$VARIANT"} --out "$out/router_overhead_device.json" ;;
+        --output-tokens ${TOKENS:-1 64} --repeats ${REPEATS:-2} --duration 5 ${VARIANT:+--variant "$VARIANT"} \
+        ${PAIRED:+--paired "$PAIRED"} --out "$out/${NAME:-router_overhead_device}.json" ;;
   profile)
     [ -d .baseline/router ] || { echo "no .baseline/ (git archive of the commit to compare with)"; exit 2; }
     mkdir -p "$out/profile"
