@@ -41,7 +41,6 @@ class RouterConfig:
     max_pending_submits: int = 10_000  # submits waiting for Redis before new ones get UNAVAILABLE
     stall_after: float = 0.5           # Redis slower than this: clients are served from memory
     redis_max_in_flight: int = 1       # write batches sent before the first one's replies are back
-    redis_urgent_flights: int = 1      # more, only for a batch with a submit or pop someone waits on
     shutdown_timeout: float = 5.0      # on SIGTERM: time to make pending writes durable
     max_requeues: int = 8              # a request moved this often between replicas fails
     tokenizer_threads: int = 2
@@ -87,8 +86,6 @@ class RouterConfig:
             problems.append("submit_timeout must be at least redis_timeout")
         if self.max_pending_submits < 1 or self.max_requeues < 1 or self.redis_max_in_flight < 1:
             problems.append("max_pending_submits, max_requeues and redis_max_in_flight must be at least 1")
-        if self.redis_urgent_flights < 0:
-            problems.append("redis_urgent_flights must be at least 0")
         if self.tokenizer_threads < 1:
             problems.append("tokenizer_threads must be at least 1")
         problems += _affinity_problems(self)

@@ -169,8 +169,7 @@ class Store:
         return Write(self._submit, (self.prefix,),
                      (rid, token, digest, spec_json, pack_tokens(prompt_ids), len(prompt_ids),
                       max_tokens, priority, repr(arrival), int(arrival * 1e6), stream_interval, queue),
-                     reply_arity=lua.SUBMIT_REPLY_ITEMS, item_args=lua.SUBMIT_ITEM_ARGS, bounded=True,
-                     urgent=True)
+                     reply_arity=lua.SUBMIT_REPLY_ITEMS, item_args=lua.SUBMIT_ITEM_ARGS, bounded=True)
 
     def pop(self, queue: str, replica: str, max_requests: int, max_prompt_tokens: int | None,
             lease_expiry: float, now: float, token: str) -> Write:
@@ -178,7 +177,7 @@ class Store:
         Reply: lua.POP's flat list; `popped` reads it."""
         return Write(self._pop, self._pop_args(queue, replica, max_requests, max_prompt_tokens,
                                                lease_expiry, now, token),
-                     reply_arity=-1, numkeys=2, urgent=True)
+                     reply_arity=-1, numkeys=2)
 
     def pop_ids(self, queue: str, replica: str, max_requests: int, max_prompt_tokens: int | None,
                 lease_expiry: float, now: float, token: str, held: list[str],
@@ -190,7 +189,7 @@ class Store:
         return Write(self._pop_ids, self._pop_args(queue, replica, max_requests, max_prompt_tokens,
                                                    lease_expiry, now, token)
                      + (queue, len(held), *held, *ids),
-                     reply_arity=-1, numkeys=2, urgent=True)
+                     reply_arity=-1, numkeys=2)
 
     def _pop_args(self, queue, replica, max_requests, max_prompt_tokens, lease_expiry, now,
                   token) -> tuple:

@@ -8,11 +8,7 @@ write queued while a batch awaits its replies (a pop behind a step write) is
 sent at once instead of a round trip later. On loopback Redis a window of 4
 measured no clear gain at 1 output token and 20-40% less 64-token throughput,
 as batches got smaller (benchmarks/results/history/router_overhead_device_5f668d0.json),
-hence the default; a Redis further away is where it may pay. An urgent write
-(a submit or a pop: a client waits on what it returns) may open
-`urgent_flights` more (`--redis-urgent-flights`, default 1): it does not wait
-a round trip behind a batch of step writes, while those still gather behind
-the window as before. One connection
+hence the default; a Redis further away is where it may pay. One connection
 carries every batch, so Redis applies them in order, and Redis always holds
 a prefix of the router's history.
 
@@ -70,7 +66,6 @@ class Write:
     numkeys: int = 0
     on_done: Callable[[object], None] | None = None
     bounded: bool = False            # counts against the pending-submit bound
-    urgent: bool = False             # may open a flight beyond the window (RedisWriter)
     future: asyncio.Future | None = field(default=None, repr=False)
 
     @property
@@ -84,12 +79,11 @@ class PermanentWriteError(RuntimeError):
 
 class RedisWriter:
     def __init__(self, client: LeanRedis, *, max_pending_submits: int, stall_after: float,
-                 max_batch: int = 512, max_in_flight: int = 1, urgent_flights: int = 0,
-                 reply_timeout: float = 5.0, on_stall: Callable[[bool], None] | None = None):
+                 max_batch: int = 512, max_in_flight: int = 1, reply_timeout: float = 5.0,
+                 on_stall: Callable[[bool], None] | None = None):
         self.client = client
         self.reply_timeout = reply_timeout
         self.max_in_flight = max_in_flight
-        self.urgent_window = max_in_flight + urgent_flights
         self.max_pending_submits = max_pending_submits
         self.stall_after = stall_after
         self.max_batch = max_batch
@@ -104,7 +98,6 @@ class RedisWriter:
         # the flights (sent batches awaiting replies, oldest first).
         self._pending: collections.deque[Write] = collections.deque()
         self._unsent_from = 0
-        self._urgent_unsent = 0     # urgent writes among the unsent ones
         self._flights: collections.deque[_Flight] = collections.deque()
         self._pending_submits = 0
         self._wake = asyncio.Event()
@@ -131,10 +124,8 @@ class RedisWriter:
         self._pending.append(write)
         if write.bounded:
             self._pending_submits += 1
-        if write.urgent:
-            self._urgent_unsent += 1
         self._idle.clear()
-        if len(self._flights) < (self.urgent_window if write.urgent else self.max_in_flight):
+        if len(self._flights) < self.max_in_flight:
             # Otherwise the window is full and the flush loop sleeps until a
             # flight's replies come: waking it per write would only cost a turn.
             self._wake.set()
@@ -211,7 +202,7 @@ class RedisWriter:
     async def _run(self) -> None:
         backoff = 0.05
         while not self.fenced:
-            if self._may_send():
+            if self._unsent_from < len(self._pending) and len(self._flights) < self.max_in_flight:
                 await self._start_next()
                 continue
             if not self._flights:
@@ -245,12 +236,6 @@ class RedisWriter:
             self._settle_stall(time.monotonic() - flight.started)
             self._complete(flight.batch, replies)
 
-    def _may_send(self) -> bool:
-        if self._unsent_from >= len(self._pending):
-            return False
-        flights = len(self._flights)
-        return flights < self.max_in_flight or (flights < self.urgent_window and self._urgent_unsent > 0)
-
     async def _start_next(self) -> None:
         """Sends the next batch of unsent writes, without waiting for its replies."""
         # One turn of the loop first: what the tasks woken with this one write
@@ -262,7 +247,6 @@ class RedisWriter:
         first = self._unsent_from
         batch = [self._pending[i] for i in range(first, min(len(self._pending), first + self.max_batch))]
         self._unsent_from += len(batch)
-        self._urgent_unsent -= sum(1 for w in batch if w.urgent)
         flight = _Flight(batch, time.monotonic())
         self._flights.append(flight)
         self._arm_stall_timer()
@@ -285,7 +269,6 @@ class RedisWriter:
         in order, after a backoff (the scripts are idempotent). True when fenced."""
         self._flights.clear()
         self._unsent_from = 0
-        self._urgent_unsent = sum(1 for w in self._pending if w.urgent)
         if isinstance(exc, _Fenced):
             self._fail_all(PermanentWriteError(str(exc)))
             self.fenced = True
@@ -303,8 +286,6 @@ class RedisWriter:
             if w.future is not None and not w.future.done():
                 w.future.set_exception(error)
         self._pending_submits = 0
-        self._urgent_unsent = 0
-        self._unsent_from = 0
         self._idle.set()
 
     def _complete(self, batch: list[Write], replies: list) -> None:

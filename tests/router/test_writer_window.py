@@ -1,6 +1,5 @@
 """The writer keeps up to two batches in flight on its one connection: a write
-queued while a batch awaits its replies goes out at once (with a window of
-one, only an urgent one: a submit or a pop), and a fault in the
+queued while a batch awaits its replies goes out at once, and a fault in the
 window sends every batch from the failed one on again, in order, once each in
 effect. Real Redis, with a TCP proxy to hold or break the connection."""
 
@@ -13,10 +12,10 @@ from tests.router.test_scheduling import wait_until
 from tests.router.test_redis_faults import proxy  # noqa: F401  (the fixture)
 
 
-async def started(proxy, window=2, urgent_flights=0):
+async def started(proxy, window=2):
     store = Store(proxy.url, "win:", 60, timeout=2.0)
     writer = RedisWriter(store.lean, max_pending_submits=1000, stall_after=5.0,
-                         max_in_flight=window, urgent_flights=urgent_flights)
+                         max_in_flight=window)
     writer.start()
     await writer.call(submit(store, "warm", token="w"))   # connected, scripts loaded
     return store, writer
@@ -49,44 +48,6 @@ def test_a_write_queued_behind_an_unanswered_batch_is_sent_at_once(proxy, arun):
             await asyncio.gather(first, second, third)
             assert done == ["a", "b", "c"]
             assert await pop(writer, store, 10, None, "p") == ["warm", "a", "b", "c"]
-        finally:
-            await writer.stop()
-            await store.close()
-
-    arun(scenario())
-
-
-def test_with_a_window_of_one_only_an_urgent_write_passes_an_unanswered_batch(proxy, arun):
-    """A submit a client waits on goes out while a batch of other writes awaits
-    its replies, taking the writes queued before it along (order holds); other
-    writes, and urgent ones past the extra flight, wait for a reply."""
-    async def scenario():
-        store, writer = await started(proxy, window=1, urgent_flights=1)
-        try:
-            done = []
-
-            def post(rid, urgent):
-                write = submit(store, rid, token=f"t-{rid}")
-                assert write.urgent    # a submit is urgent; the test makes some not
-                write.urgent = urgent
-                write.on_done = lambda _reply: done.append(rid)
-                return writer.call(write)
-
-            proxy.hold()
-            first = post("a", urgent=False)
-            await wait_until(lambda: writer.in_flight == 1)
-            second = post("b", urgent=False)
-            await asyncio.sleep(0.05)
-            assert writer.in_flight == 1, "a plain write waits behind the window"
-            third = post("c", urgent=True)
-            await wait_until(lambda: writer.in_flight == 2)   # with b, before a's reply
-            fourth = post("d", urgent=True)
-            await asyncio.sleep(0.05)
-            assert writer.in_flight == 2 and not first.done(), "one urgent flight, no more"
-            proxy.release()
-            await asyncio.gather(first, second, third, fourth)
-            assert done == ["a", "b", "c", "d"]
-            assert await pop(writer, store, 10, None, "p") == ["warm", "a", "b", "c", "d"]
         finally:
             await writer.stop()
             await store.close()
