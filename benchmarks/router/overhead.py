@@ -290,6 +290,20 @@ def parse_cpus(text: str) -> set[int]:
     return cpus
 
 
+def child_args(argv: list[str]) -> list[str]:
+    """A paired run's arguments less those the parent keeps (--paired,
+    --repeats, --out), for each side's own run."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--paired", "--repeats", "--out"):
+            skip = True
+        elif not a.startswith(("--paired=", "--repeats=", "--out=")):
+            kept.append(a)
+    return kept
+
+
 def run_paired(args, work: Path, names: list[str]) -> list[dict]:
     """Both sides at once, one child run each (this script with --only), pinned
     to disjoint CPU sets that swap every repeat; every process a child starts
@@ -299,19 +313,7 @@ def run_paired(args, work: Path, names: list[str]) -> list[dict]:
     cpu_sets = [parse_cpus(part) for part in args.paired.split(":")]
     if len(cpu_sets) != 2 or cpu_sets[0] & cpu_sets[1]:
         raise SystemExit("--paired takes two disjoint CPU sets, e.g. 0-6:8-14")
-    passed = [a for a in (sys.argv[1:] if args.argv is None else args.argv)]
-    base = []
-    skip = False
-    for a in passed:   # the children get everything but the pairing and repeats
-        if skip:
-            skip = False
-            continue
-        if a in ("--paired", "--repeats", "--out"):
-            skip = True
-            continue
-        if a.startswith(("--paired=", "--repeats=", "--out=")):
-            continue
-        base.append(a)
+    base = child_args(sys.argv[1:] if args.argv is None else args.argv)
     rows = []
     for repeat in range(args.repeats):
         children = []
