@@ -274,37 +274,24 @@ for i = 3, #ARGV, 17 do
     if ARGV[i + 2] ~= '' then redis.call('SETRANGE', o, tonumber(ARGV[i + 1]), ARGV[i + 2]) end
     if ARGV[i + 4] ~= '' then redis.call('SETRANGE', t, tonumber(ARGV[i + 3]), ARGV[i + 4]) end
     if ARGV[i + 14] ~= '' then redis.call('SETRANGE', l, tonumber(ARGV[i + 13]), ARGV[i + 14]) end
-    -- One HSET for the delta's fields (the first one's stamps, a finish):
-    -- a 1-token request's only step has all of them.
-    local fields = {}
-    if ARGV[i + 5] ~= '' then fields[#fields + 1] = 'ft'; fields[#fields + 1] = ARGV[i + 5] end
-    if ARGV[i + 6] ~= '' then fields[#fields + 1] = 'fs'; fields[#fields + 1] = ARGV[i + 6] end
-    if ARGV[i + 15] ~= '' then fields[#fields + 1] = 'ct'; fields[#fields + 1] = ARGV[i + 15] end
-    local finished = ARGV[i + 7] == '1'
-    if finished then
-      for _, v in ipairs({'fr', ARGV[i + 8], 'err', ARGV[i + 9], 'rep', ARGV[i + 10],
-          'fin', ARGV[i + 11], 'pre', ARGV[i + 12], 'st', 'f', 'q', '', 'o', '', 'br', ''}) do
-        fields[#fields + 1] = v
-      end
+    if ARGV[i + 5] ~= '' then redis.call('HSET', h, 'ft', ARGV[i + 5]) end
+    if ARGV[i + 6] ~= '' then redis.call('HSET', h, 'fs', ARGV[i + 6]) end
+    if ARGV[i + 15] ~= '' then redis.call('HSET', h, 'ct', ARGV[i + 15]) end
+    if ARGV[i + 2] ~= '' or ARGV[i + 4] ~= '' then
+      tell_fronts_(h, 'k', 'd', 'id', id, 'n', n, 'o', ARGV[i + 1], 't', ARGV[i + 2],
+        'xo', ARGV[i + 3], 'x', ARGV[i + 4], 'lo', ARGV[i + 13], 'l', ARGV[i + 14],
+        'ft', ARGV[i + 5], 'fs', ARGV[i + 6], 'ct', ARGV[i + 15])
     end
-    if #fields > 0 then redis.call('HSET', h, unpack(fields)) end
-    local output = ARGV[i + 2] ~= '' or ARGV[i + 4] ~= ''
-    local others = (output or finished) and other_fronts_(h) or {}
-    if output then
-      for _, r in ipairs(others) do
-        emit_(r, 'k', 'd', 'id', id, 'n', n, 'o', ARGV[i + 1], 't', ARGV[i + 2],
-          'xo', ARGV[i + 3], 'x', ARGV[i + 4], 'lo', ARGV[i + 13], 'l', ARGV[i + 14],
-          'ft', ARGV[i + 5], 'fs', ARGV[i + 6], 'ct', ARGV[i + 15])
-      end
-    end
-    if finished then
+    if ARGV[i + 7] == '1' then
+      redis.call('HSET', h, 'fr', ARGV[i + 8], 'err', ARGV[i + 9], 'rep', ARGV[i + 10],
+        'fin', ARGV[i + 11], 'pre', ARGV[i + 12], 'st', 'f', 'q', '', 'o', '', 'br', '')
       redis.call('ZREM', prefix .. 'inflight', id)
       redis.call('SREM', prefix .. 'live', id)
       redis.call('EXPIRE', h, ttl)
       redis.call('EXPIRE', o, ttl)
       redis.call('EXPIRE', t, ttl)
       redis.call('EXPIRE', l, ttl)
-      finish_event_(h, id, others)
+      finish_event_(h, id)
     end
     written[#written + 1] = 1
   else

@@ -86,8 +86,8 @@ end
 # look alike). Byte offsets say where the output ends: a front that has less
 # reloads the request.
 FINISH_EVENT = """
-local function finish_event_(h, id, others)
-  others = others or other_fronts_(h)
+local function finish_event_(h, id)
+  local others = other_fronts_(h)
   if #others == 0 then return end   -- the usual case: the caller is the only front
   local f = redis.call('HMGET', h, 'fr', 'err', 'rep', 'fin', 'pre', 'asg', 'rq', 'ft', 'fs', 'ct', 'n')
   for _, r in ipairs(others) do
