@@ -304,7 +304,7 @@ def child_args(argv: list[str]) -> list[str]:
     return kept
 
 
-def run_paired(args, work: Path, names: list[str]) -> list[dict]:
+def run_paired(args, argv: list[str], work: Path, names: list[str]) -> list[dict]:
     """Both sides at once, one child run each (this script with --only), pinned
     to disjoint CPU sets that swap every repeat; every process a child starts
     inherits its CPU set."""
@@ -313,7 +313,7 @@ def run_paired(args, work: Path, names: list[str]) -> list[dict]:
     cpu_sets = [parse_cpus(part) for part in args.paired.split(":")]
     if len(cpu_sets) != 2 or cpu_sets[0] & cpu_sets[1]:
         raise SystemExit("--paired takes two disjoint CPU sets, e.g. 0-6:8-14")
-    base = child_args(sys.argv[1:] if args.argv is None else args.argv)
+    base = child_args(argv)
     rows = []
     for repeat in range(args.repeats):
         children = []
@@ -348,7 +348,6 @@ def tree_commit(tree: Path) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    args.argv = argv
     if args.client:
         return client_main(args)
     work = Path(tempfile.mkdtemp(prefix="router-bench-"))
@@ -364,9 +363,12 @@ def main(argv=None) -> int:
     sides += compared
     if args.only:
         sides = [s for s in sides if s[0] == args.only]
+        if not sides:
+            raise SystemExit(f"--only {args.only}: no such side")
     rows = []
     if args.paired:
-        rows = run_paired(args, work, [name for name, _, _ in sides])
+        rows = run_paired(args, sys.argv[1:] if argv is None else argv, work,
+                          [name for name, _, _ in sides])
     else:
         for repeat in range(args.repeats):
             for name, tree, extra in sides:

@@ -9,7 +9,6 @@ it. Redis's own per-command timing (INFO commandstats), not the client's.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -19,23 +18,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.router.tree_scripts import tree_scripts  # noqa: E402
 from common.redis_server import RedisServer  # noqa: E402
 
 
 def step_script(tree: Path) -> str:
-    """STEP of a tree's router/persistence/lua.py (its FENCE included)."""
-    sys.path.insert(0, str(tree))
-    try:
-        for name in [m for m in sys.modules if m == "router" or m.startswith("router.")]:
-            del sys.modules[name]
-        spec = importlib.util.spec_from_file_location("lua_of_tree", tree / "router/persistence/lua.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module.STEP
-    finally:
-        sys.path.pop(0)
-        for name in [m for m in sys.modules if m == "router" or m.startswith("router.")]:
-            del sys.modules[name]
+    """STEP of a tree's router (its FENCE included)."""
+    return tree_scripts(tree)["STEP"]
 
 
 def one_call_us(r, sha: str, calls: int, tag: str) -> float:
