@@ -1,7 +1,12 @@
-"""Paged KV cache: one tensor per layer, [num_blocks, 2, block_size, num_kv_heads, head_dim].
+"""Paged KV cache: one tensor per layer, in the layout its attention backend reads.
 
-That is flashinfer's NHD paged layout (dim 1: K then V), so every attention
-backend reads and writes the same tensors.
+- NHD, [num_blocks, 2, block_size, num_kv_heads, head_dim] (dim 1: K then V):
+  flashinfer's paged layout, which the torch backend also reads, so the two
+  can be checked against each other on the same tensors.
+- HEAD_MAJOR, [2, num_kv_heads, num_blocks, block_size, head_dim]: the CPU
+  backend's, where a sequence's blocks gather into one contiguous run per head.
+
+Either way a block id names the same tokens' K and V on every layer.
 """
 
 from __future__ import annotations
@@ -11,6 +16,9 @@ from typing import Callable
 import torch
 
 from replica_worker.engine.config import CacheConfig
+
+NHD = "nhd"
+HEAD_MAJOR = "head_major"
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -60,14 +68,21 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         scratch_blocks: int = 0,
+        layout: str = NHD,
     ) -> None:
         """scratch_blocks extra blocks follow the num_blocks the BlockManager
         hands out (ids num_blocks, ...): CUDA-graph padding rows write there."""
+        if layout not in (NHD, HEAD_MAJOR):
+            raise ValueError(f"unknown KV cache layout {layout!r}")
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks if scratch_blocks else None
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
-        shape = (num_blocks + scratch_blocks, 2, block_size, num_kv_heads, head_dim)
+        blocks = num_blocks + scratch_blocks
+        if layout == NHD:
+            shape = (blocks, 2, block_size, num_kv_heads, head_dim)
+        else:
+            shape = (2, num_kv_heads, blocks, block_size, head_dim)
         # Zeros, not empty: padded decode rows gather never-written slots, and
         # NaN garbage there would poison the masked softmax's matmul.
         self.layers: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -35,6 +35,7 @@ import torch
 from replica_worker.engine.attention import AttentionMetadata, build_attention_metadata, select_backend
 from replica_worker.engine.config import EngineConfig
 from replica_worker.engine.distributed.group import SINGLE_RANK, RankContext
+from replica_worker.engine.host_memory import retain_freed_memory
 from replica_worker.engine.kv_cache import KVCache, bytes_per_block, determine_num_blocks
 from replica_worker.engine.model import DTYPES, get_model, load_hf_config, sliding_window_of
 from replica_worker.engine.model.parallel import head_shard
@@ -91,6 +92,8 @@ class ModelRunner:
         self.dtype = DTYPES[mc.dtype]
         self.eos_token_id = _read_eos(mc.model, self.hf_config)
 
+        if self.device.type == "cpu":
+            retain_freed_memory()
         t0 = time.perf_counter()
         n_heads = self.hf_config.num_attention_heads
         head_dim = getattr(self.hf_config, "head_dim", None) or self.hf_config.hidden_size // n_heads
@@ -118,7 +121,7 @@ class ModelRunner:
             num_blocks = ranks.steps.agree_min(num_blocks)  # one block id means one block on every rank
         self.num_blocks = num_blocks
         self.kv_cache = KVCache(num_layers, self.num_blocks, self.block_size, n_kv, head_dim, self.dtype, self.device,
-                                scratch_blocks=1 if use_graphs else 0)
+                                scratch_blocks=1 if use_graphs else 0, layout=self.backend.kv_layout)
         self.bytes_per_block = block_bytes
         self._sync()
         t2 = time.perf_counter()
@@ -200,7 +203,8 @@ class ModelRunner:
         num_tokens = min(budget, self.max_model_len)
         blocks = -(-num_tokens // self.block_size)
         s = self.model.shape
-        tmp = KVCache(s.num_layers, blocks, self.block_size, self.num_kv_heads, s.head_dim, self.dtype, self.device)
+        tmp = KVCache(s.num_layers, blocks, self.block_size, self.num_kv_heads, s.head_dim, self.dtype, self.device,
+                      layout=self.backend.kv_layout)
         seq = Sequence("profile", [0] * num_tokens, SamplingParams(temperature=0.0))
         seq.block_ids = list(range(blocks))
         with torch.inference_mode():

@@ -105,7 +105,7 @@ def test_runner_properties_and_cache_sizing(tiny_model_factory):
     per_block = bytes_per_block(2, 8, 2, 16, torch.float32)
     assert runner.bytes_per_block == per_block == 2 * 2 * 8 * 2 * 16 * 4
     assert runner.num_blocks == (1 << 20) // per_block
-    assert runner.kv_cache.layers[0].shape == (runner.num_blocks, 2, 8, 2, 16)
+    assert runner.kv_cache.layers[0].shape == (2, 2, runner.num_blocks, 8, 16)  # the CPU backend's head-major layout
     assert (runner.block_size, runner.max_model_len, runner.vocab_size, runner.eos_token_id) == (8, 300, 512, 2)
     assert make_runner(path).max_model_len == 1024
     assert runner.execute([]).token_ids == []

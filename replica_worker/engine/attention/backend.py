@@ -1,8 +1,8 @@
 """Attention backend interface.
 
-KV cache layout, per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim]
-(index 0 of dim 1 is K, 1 is V): flashinfer's NHD paged layout, so a
-flashinfer backend reads the same tensors the torch backend writes.
+A backend names the KV cache layout it reads (kv_cache.py): NHD, flashinfer's
+paged layout, which the torch backend shares so the two can be checked on the
+same tensors, or HEAD_MAJOR, the CPU backend's.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import torch
 
 from replica_worker.engine.attention.metadata import AttentionMetadata
+from replica_worker.engine.kv_cache import NHD
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 class AttentionBackend(abc.ABC):
     name: str = "abstract"
     supports_cuda_graphs: bool = False
+    kv_layout: str = NHD
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
@@ -61,15 +63,18 @@ def select_backend(
     device: torch.device | str, dtype: torch.dtype | None = None, head_dim: int | None = None,
     sliding_window: int | None = None,
 ) -> type[AttentionBackend]:
-    """The backend class for a device: flashinfer on CUDA when it can serve the
-    model (fp16/bf16, head_dim 64/128/256, full attention, importable), else
-    plain torch, with a warning on CUDA. QUADRIGA_ATTENTION_BACKEND=torch|flashinfer
-    forces one."""
+    """The backend class for a device: on the CPU the head-major CPU backend;
+    on CUDA flashinfer when it can serve the model (fp16/bf16, head_dim
+    64/128/256, full attention, importable), else plain torch, with a warning.
+    QUADRIGA_ATTENTION_BACKEND=torch|cpu|flashinfer forces one."""
+    from replica_worker.engine.attention.cpu_backend import CpuAttentionBackend
     from replica_worker.engine.attention.torch_backend import TorchAttentionBackend
 
     forced = os.environ.get("QUADRIGA_ATTENTION_BACKEND", "").strip().lower()
-    if forced == "torch" or torch.device(device).type != "cuda":
+    if forced == "torch":
         return TorchAttentionBackend
+    if forced == "cpu" or torch.device(device).type != "cuda":
+        return CpuAttentionBackend
     from replica_worker.engine.attention import flashinfer_backend as fb
 
     reason = fb.flashinfer_supports(dtype, head_dim, sliding_window)

@@ -40,6 +40,28 @@ class _TorchPlan:
     dec_mask: torch.Tensor | None  # [D, 1, 1, Lmax]
 
 
+def causal_mask(num_computed: int, seq_len: int, window: int | None, device) -> torch.Tensor:
+    """[Q, L] bool, True = attend: query positions num_computed..seq_len-1 against
+    keys 0..seq_len-1, each seeing keys at or before it (and within the window)."""
+    pos = torch.arange(seq_len, device=device)
+    q_pos = torch.arange(num_computed, seq_len, device=device)
+    mask = pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+def decode_mask(seq_lens: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+    """[D, 1, 1, length] bool, True = attend: each decode's query (at position
+    seq_len - 1) against key positions 0..length-1, padding hidden."""
+    pos = torch.arange(length, device=seq_lens.device)
+    lens = seq_lens[:, None]
+    visible = pos[None, :] < lens
+    if window is not None:
+        visible &= pos[None, :] >= lens - window
+    return visible[:, None, None, :]
+
+
 _CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -59,14 +81,11 @@ class TorchAttentionBackend(AttentionBackend):
             if nc[i] == 0 and not windowed:
                 prefills.append(_PrefillPlan(qsl[i], qsl[i + 1], None, None, None))
                 continue
-            pos = torch.arange(lens[i], device=device)
-            q_pos = torch.arange(nc[i], lens[i], device=device)
-            mask = pos[None, :] <= q_pos[:, None]
-            if windowed:
-                mask &= pos[None, :] > q_pos[:, None] - window
+            mask = causal_mask(nc[i], lens[i], window, device)
             if nc[i] == 0:  # the chunk is its whole context: no gather
                 prefills.append(_PrefillPlan(qsl[i], qsl[i + 1], None, None, mask))
                 continue
+            pos = torch.arange(lens[i], device=device)
             prefills.append(
                 _PrefillPlan(qsl[i], qsl[i + 1], md.block_tables[i, pos // bs].long(), pos % bs, mask)
             )
@@ -76,11 +95,7 @@ class TorchAttentionBackend(AttentionBackend):
             pos = torch.arange(lmax, device=device)
             dec_block = md.block_tables[md.num_prefills:, pos // bs].long()
             dec_offset = pos % bs
-            dec_lens = md.seq_lens[md.num_prefills:, None]
-            visible = pos[None, :] < dec_lens
-            if window is not None:
-                visible &= pos[None, :] >= dec_lens - window
-            dec_mask = visible[:, None, None, :]
+            dec_mask = decode_mask(md.seq_lens[md.num_prefills:], lmax, window)
         md.backend_data = _TorchPlan(
             md.slot_mapping // bs, md.slot_mapping % bs, prefills, dec_block, dec_offset, dec_mask
         )
