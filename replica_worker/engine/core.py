@@ -13,11 +13,11 @@ import time
 
 from common.block_hash import BlockHasher
 from replica_worker.engine.config import EngineConfig
-from replica_worker.engine.detokenizer import IncrementalDetokenizer
 from replica_worker.engine.errors import InvalidRequestError
 from replica_worker.engine.kv_events import KVCacheEvents, PrefixCacheStats
 from replica_worker.engine.model_runner import ModelRunner
-from replica_worker.engine.outputs import EngineLoad, RequestDelta, StepResult, TokenLogprobs
+from replica_worker.engine.output_text import OutputTexts
+from replica_worker.engine.outputs import DeltaStats, EngineLoad, RequestDelta, StepResult, TokenLogprobs
 from replica_worker.engine.sampler import SamplerOutput
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.schedulers import make_scheduler
@@ -62,7 +62,7 @@ class EngineCore:
         self.eos_token_ids = _eos_ids(
             self.runner.eos_token_id, getattr(tokenizer, "eos_token_id", None)
         )
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._texts = OutputTexts(tokenizer) if tokenizer is not None else None
         self._step_id = 0
 
     @property
@@ -91,10 +91,8 @@ class EngineCore:
         seq = Sequence(
             request_id, prompt_token_ids, params, arrival_time=arrival_time, resume_token_ids=resume
         )
-        if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, seq.output_token_ids, params.stop, resume_text_len
-            )
+        if self._texts is not None:
+            self._texts.add(request_id, seq.output_token_ids, params, resume_text_len)
         self.scheduler.add_seq(seq)
         return seq
 
@@ -133,7 +131,7 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> bool:
         seq = self.scheduler.abort_seq(request_id)
-        self._detokenizers.pop(request_id, None)
+        self._forget_text(request_id)
         if seq is not None:
             self.runner.release(seq)
         return seq is not None
@@ -182,15 +180,12 @@ class EngineCore:
     def _delta_after_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None,
                            offset: int, now: float) -> RequestDelta:
         status = self._stop_status(seq, token)
-        detok = self._detokenizers.get(seq.seq_id)
         text = ""
-        if detok is not None:
-            # Stop strings, like EOS, cannot end a request before min_tokens.
-            may_stop = seq.num_output_tokens > seq.sampling_params.min_tokens
-            text, stop_string_hit = detok.step(final=status is not None, check_stop=may_stop)
+        if self._texts is not None:
+            text, stop_string_hit = self._texts.step(seq.seq_id, seq.num_output_tokens, final=status is not None)
             if stop_string_hit:
                 status = SequenceStatus.FINISHED_STOPPED
-        delta = RequestDelta(seq.seq_id, [token], text, offset, seq=seq,
+        delta = RequestDelta(seq.seq_id, [token], text, offset, stats=DeltaStats.of(seq, 1),
                              logprobs=None if logprobs is None else [logprobs])
         if status is not None:
             self._finish(seq, status, now)
@@ -215,14 +210,18 @@ class EngineCore:
         seq.finish(status, now)
         self.scheduler.free_finished(seq)
         self.runner.release(seq)
-        self._detokenizers.pop(seq.seq_id, None)
+        self._forget_text(seq.seq_id)
+
+    def _forget_text(self, request_id: str) -> None:
+        if self._texts is not None:
+            self._texts.remove(request_id)
 
     def _ignored_delta(self, seq: Sequence) -> RequestDelta:
-        self._detokenizers.pop(seq.seq_id, None)
+        self._forget_text(seq.seq_id)
         return RequestDelta(
             seq.seq_id, [], "", seq.num_output_tokens, finish_reason="error",
             error="request can never be scheduled on this replica (too long for its KV cache)",
-            seq=seq,
+            stats=DeltaStats.of(seq, 0),
         )
 
     @property

@@ -48,6 +48,30 @@ class RequestMetrics:
         )
 
 
+@dataclass(frozen=True)
+class DeltaStats:
+    """What a delta says of its sequence, copied when the delta is made: safe to
+    read on another thread, or in another process, while the engine goes on."""
+
+    arrival: float
+    first_scheduled: float | None
+    num_prompt_tokens: int
+    num_resumed_tokens: int  # output tokens taken over from another replica
+    num_cached_tokens: int
+    num_preemptions: int
+    token_times: tuple[float, ...]  # when each of the delta's tokens was sampled
+    previous_token_time: float | None  # when the token before them was, if here
+
+    @classmethod
+    def of(cls, seq: Sequence, num_new: int) -> "DeltaStats":
+        t = seq.times
+        times = t.token_times
+        before = len(times) - num_new - 1
+        return cls(t.arrival, t.first_scheduled, seq.num_prompt_tokens, seq.num_resumed_tokens,
+                   seq.num_cached_tokens, seq.num_preemptions, tuple(times[len(times) - num_new:]),
+                   times[before] if before >= 0 else None)
+
+
 @dataclass
 class RequestDelta:
     """New output of one request in one step. output_offset is the index, in the
@@ -59,7 +83,7 @@ class RequestDelta:
     output_offset: int
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     error: str = ""
-    seq: Sequence | None = field(default=None, repr=False)
+    stats: DeltaStats | None = field(default=None, repr=False)
     # One per new token when the request asked for logprobs, else None.
     logprobs: list[TokenLogprobs] | None = None
 

@@ -1,4 +1,5 @@
-"""Builds a ReplicaWorker from its config: engine, tokenizer, advertised capacity."""
+"""Builds a ReplicaWorker from its config: engine (in a process of its own, or on a
+thread of the worker's), tokenizer, advertised capacity."""
 
 from __future__ import annotations
 
@@ -10,36 +11,47 @@ from replica_worker.engine.core import EngineCore
 from replica_worker.engine.llm import engine_config
 from replica_worker.worker.client import ReplicaWorker
 from replica_worker.worker.config import WorkerConfig
+from replica_worker.worker.engine_process import EngineProcess
+from replica_worker.worker.engine_wire import EngineInfo
 
 log = logging.getLogger(__name__)
 
 
 def build_worker(config: WorkerConfig) -> ReplicaWorker:
-    if config.threads:
-        import torch
-
-        torch.set_num_threads(config.threads)
     engine_cfg = engine_config(
         config.model, scheduler=config.scheduler, device=config.device, **dict(config.engine_args)
     )
-    engine = EngineCore(engine_cfg, load_tokenizer(config.model))
-    # Under tensor parallelism this process is rank 0 (EngineCore started the other
-    # ranks): it alone talks to the router, as one replica with the ranks' KV blocks.
-    log.info("engine ready: %s on %s, %d KV blocks, scheduler %s, tensor parallel %d",
-             config.model_name, config.device, engine.runner.num_blocks, engine_cfg.scheduler.name,
-             engine_cfg.parallel.tensor_parallel_size)
+    tokenizer = load_tokenizer(config.model)
+    if config.engine_thread:
+        if config.threads:
+            import torch
+
+            torch.set_num_threads(config.threads)
+        engine = EngineCore(engine_cfg, tokenizer)
+    else:
+        engine = EngineProcess(engine_cfg, tokenizer, threads=config.threads)
+    # Under tensor parallelism the engine is rank 0 (EngineCore started the other
+    # ranks): the worker alone talks to the router, as one replica with the ranks' KV blocks.
+    log.info("engine ready%s: %s on %s, %d KV blocks, scheduler %s, tensor parallel %d",
+             "" if config.engine_thread else f" in process {engine.pid}", config.model_name, config.device,
+             _info(engine).num_kv_blocks, engine_cfg.scheduler.name, engine_cfg.parallel.tensor_parallel_size)
     return worker_for(config, engine)
 
 
-def worker_for(config: WorkerConfig, engine: EngineCore) -> ReplicaWorker:
-    """A worker around a ready engine (a real one, or replica_worker/sim's), advertising its capacity."""
-    sched = engine.config.scheduler
+def _info(engine: EngineCore | EngineProcess) -> EngineInfo:
+    return engine.info if isinstance(engine, EngineProcess) else EngineInfo.of(engine)
+
+
+def worker_for(config: WorkerConfig, engine: EngineCore | EngineProcess) -> ReplicaWorker:
+    """A worker around a ready engine (a real one, in this process or its own, or
+    replica_worker/sim's), advertising its capacity."""
+    info = _info(engine)
     capacity = pb.ReplicaCapacity(
-        max_num_seqs=sched.max_num_seqs,
-        num_kv_blocks=engine.runner.num_blocks,
-        block_size=engine.config.cache.block_size,
-        max_batch_tokens=sched.chunk_size,
-        max_model_len=engine.max_model_len,
+        max_num_seqs=info.max_num_seqs,
+        num_kv_blocks=info.num_kv_blocks,
+        block_size=info.block_size,
+        max_batch_tokens=info.max_batch_tokens,
+        max_model_len=info.max_model_len,
         prefetch=config.prefetch,
     )
     return ReplicaWorker(config, engine, capacity)

@@ -23,7 +23,9 @@ from replica_worker.engine.errors import InvalidRequestError
 from replica_worker.worker import protocol
 from replica_worker.worker.config import WorkerConfig
 from replica_worker.worker.credit import PullCredit
+from replica_worker.engine.output_text import OutputTexts
 from replica_worker.worker.engine_loop import AbortRequest, EngineLoop, EngineReport
+from replica_worker.worker.engine_process import EngineProcess
 from replica_worker.worker.kv_mirror import KVMirror
 from replica_worker.worker.metrics import ReplicaMetrics
 from replica_worker.worker.session_state import RequestBook
@@ -56,7 +58,13 @@ class ReplicaWorker:
             self.hasher = engine.block_hasher
             self.kv = KVMirror(engine.cached_block_hashes(),
                                max_pending=2 * max(1, capacity_msg.num_kv_blocks))
-        self.engine_loop = EngineLoop(engine, self._on_report_from_thread)
+        if isinstance(engine, EngineProcess):
+            # The engine steps in its own process; detokenizing is done here.
+            self.engine_loop = engine.attach(self._on_report_from_thread)
+            self.texts: OutputTexts | None = engine.output_texts
+        else:
+            self.engine_loop = EngineLoop(engine, self._on_report_from_thread)
+            self.texts = None  # the engine detokenizes
         self._reports: asyncio.Queue[EngineReport] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue | None = None  # the live stream's writer queue; None while away
@@ -323,6 +331,9 @@ class ReplicaWorker:
                     request_id=a.request_id, output_offset=len(a.resume_token_ids),
                     finish_reason=protocol.FINISH_REASONS["error"], error=str(exc)))
                 continue
+            if self.texts is not None:
+                self.texts.add(a.request_id, list(command.resume_token_ids), command.params,
+                               command.resume_text_len)
             self.engine_loop.submit(command)
         self.credit.on_assigned(len(assignments), tokens)
         if rejected:
@@ -382,6 +393,29 @@ class ReplicaWorker:
             self._send_report(report)
             self._check_drained()
 
+    def _with_text(self, deltas: list) -> list:
+        """The engine runs in another process: each delta's text, and its stop
+        strings, are found here. A stop string ends the request here and in the
+        engine, whose tokens for it from the step it computed meanwhile are dropped."""
+        texts = self.texts
+        out = []
+        for d in deltas:
+            if d.request_id not in texts:
+                if not d.new_token_ids:
+                    out.append(d)
+                continue  # ended here by a stop string, or dropped
+            final = d.finish_reason is not None
+            d.text, stop_string_hit = texts.extend(d.request_id, d.new_token_ids, final)
+            if stop_string_hit:
+                if not final:
+                    self.engine_loop.submit(AbortRequest(d.request_id))
+                d.finish_reason = "stop"
+            if d.finish_reason is not None:
+                texts.remove(d.request_id)
+            out.append(d)
+        texts.retain(self.book.live)
+        return out
+
     def _send_report(self, report: EngineReport) -> None:
         res = report.result
         if self.kv is not None and report.kv_events is not None:
@@ -390,6 +424,8 @@ class ReplicaWorker:
         if report.handed_back:
             self._hand_back(report.handed_back)
         connected = self._outbox is not None
+        if self.texts is not None:
+            res.deltas = self._with_text(res.deltas)
         deltas = []
         seq = self.book.next_seq() if res.deltas else 0
         for d in res.deltas:

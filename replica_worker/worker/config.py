@@ -34,6 +34,9 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0    # on SIGTERM: finish running work for this long, then hand back
     metrics_port: int = 0            # Prometheus endpoint; 0: none
     threads: int = 0                 # torch CPU threads; 0: torch's default (all cores)
+    # The engine steps on a thread of the worker's process instead of a process
+    # of its own (engine_process.py), sharing the GIL with the gRPC side.
+    engine_thread: bool = False
     engine_args: tuple[tuple[str, object], ...] = ()
 
     @property
@@ -88,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--threads", type=int, default=int(_env("TORCH_THREADS", 0)),
                    help="torch CPU threads (default: all cores); give each of N CPU replicas on one "
                         "machine cores/N so they do not oversubscribe it")
+    p.add_argument("--engine-thread", action="store_true", default=_env("ENGINE_THREAD", "") not in ("", "0"),
+                   help="step the engine on a thread of this process, not in a process of its own "
+                        "(which keeps detokenizing and the router stream off the engine's GIL)")
     a = p.parse_args(argv)
     engine_args = {
         "chunk_size": a.chunk_size,
@@ -117,5 +123,6 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         drain_timeout_s=a.drain_timeout,
         metrics_port=a.metrics_port,
         threads=a.threads,
+        engine_thread=a.engine_thread,
         engine_args=tuple(sorted(engine_args.items())),
     )

@@ -103,19 +103,19 @@ class _VllmNames:
         self.kv_usage.set(kv_used)
 
     def observe_delta(self, delta: RequestDelta) -> None:
-        seq, n = delta.seq, len(delta.new_token_ids)
-        if seq is None or not n:
+        stats, n = delta.stats, len(delta.new_token_ids)
+        if stats is None or not n:
             return
         self.generation_tokens.inc(n)
-        # token_times holds the tokens generated here, resumed ones excluded; the
-        # entries a delta names are final even while the engine thread appends more.
-        first = delta.output_offset - seq.num_resumed_tokens
-        times = seq.times.token_times
-        if first == 0:
-            # A request resumed from another replica prefilled its earlier output
-            # here as context; its first token came from the replica before.
-            self.prompt_tokens.inc(seq.num_prompt_tokens + seq.num_resumed_tokens)
-            if not seq.num_resumed_tokens:
-                self.ttft.observe(times[0] - seq.times.arrival)
-        for i in range(max(first, 1), first + n):
-            self.itl.observe(times[i] - times[i - 1])
+        if delta.output_offset == stats.num_resumed_tokens:
+            # The request's first token here. One resumed from another replica
+            # prefilled its earlier output as context; its first token came from
+            # the replica before.
+            self.prompt_tokens.inc(stats.num_prompt_tokens + stats.num_resumed_tokens)
+            if not stats.num_resumed_tokens:
+                self.ttft.observe(stats.token_times[0] - stats.arrival)
+        times = stats.token_times
+        if stats.previous_token_time is not None:
+            times = (stats.previous_token_time, *times)
+        for a, b in zip(times, times[1:]):
+            self.itl.observe(b - a)

@@ -65,10 +65,10 @@ def delta_to_pb(delta: RequestDelta, first_scheduled_reported: bool) -> pb.Reque
         msg.logprobs.extend(gen_pb.TokenLogprobs(
             logprob=e.logprob, top_token_ids=[t for t, _ in e.top],
             top_logprobs=[v for _, v in e.top]) for e in delta.logprobs)
-    seq = delta.seq
-    if seq is not None:
-        msg.preemptions = seq.num_preemptions
-        if not first_scheduled_reported and seq.times.first_scheduled is not None:
-            msg.first_scheduled_at = seq.times.first_scheduled
-            msg.cached_tokens = seq.num_cached_tokens
+    stats = delta.stats
+    if stats is not None:
+        msg.preemptions = stats.num_preemptions
+        if not first_scheduled_reported and stats.first_scheduled is not None:
+            msg.first_scheduled_at = stats.first_scheduled
+            msg.cached_tokens = stats.num_cached_tokens
     return msg

@@ -66,7 +66,10 @@ def test_one_replica_exact_tokens_and_a_dead_rank_moves_its_work(live_stack, hf_
     requeued = requeues_of_exact_results(PROMPTS, results, hf_reference, max_tokens)
     assert requeued > 0, "rank 1's death should have moved tp0's requests to r1"
     assert tp.proc.wait(30) == 70
-    assert re.search(rf"tensor-parallel rank 1 \(pid {rank1}\) exited with status -9", tp.log_path.read_text())
+    # Whichever rank 0 notices first, its watcher of rank 1 or the step's broken
+    # collective, the log says why the replica ended.
+    assert re.search(rf"tensor-parallel rank 1 \(pid {rank1}\) exited with status -9|"
+                     r"engine cannot go on \(.*Connection reset by peer", tp.log_path.read_text())
 
 
 def test_the_ranks_end_with_rank_zero(live_stack):
@@ -78,8 +81,22 @@ def test_the_ranks_end_with_rank_zero(live_stack):
     wait_gone(rank1)
 
     tp = stack.start_replica("tp1", *TP)
-    rank1 = follower_pid(tp)
-    tp.proc.kill()
+    rank0, rank1 = engine_pid(tp), follower_pid(tp)
+    tp.proc.kill()  # the worker: its engine process (rank 0) sees the pipe close, and ends the ranks
     tp.proc.wait(10)
+    wait_gone(rank0)
     wait_gone(rank1)
+
+    tp = stack.start_replica("tp2", *TP)
+    rank0, rank1 = engine_pid(tp), follower_pid(tp)
+    os.kill(rank0, signal.SIGKILL)  # rank 0 dies abruptly: rank 1 and the worker end with it
+    wait_gone(rank1)
+    assert tp.proc.wait(30) == 70
     assert "rank 0 exited or gave up on the ranks; tensor-parallel rank 1 exits with it" in tp.log_path.read_text()
+
+
+def engine_pid(child) -> int:
+    """The engine's process, rank 0 (the worker's process holds no rank)."""
+    found = re.search(r"engine ready in process (\d+)", child.log_path.read_text(errors="replace"))
+    assert found, f"no engine process in the replica's log:\n{child.tail()}"
+    return int(found.group(1))

@@ -17,7 +17,10 @@ PROMPTS = [[3, 14, 15, 92], [6, 53, 58], [97, 93, 23, 84, 62], [64, 33]]
 
 
 
-async def run_worker(address: str, model: str, *args: str):
+async def run_worker(address: str, model: str, *args: str, engine_thread: bool = True):
+    """engine_thread: the engine steps on a thread of this process, where a test can
+    reach into it (worker.engine_loop._engine); else in a process of its own."""
+    args = ("--engine-thread", *args) if engine_thread else args
     worker = build_worker(parse_args(["--router", address, "--model", str(model),
                                       "--replica-id", "w0", "--threads", "1", *args]))
     task = asyncio.create_task(worker.run())

@@ -1,0 +1,132 @@
+"""The engine in a process of its own: the wire between it and its worker, the
+worker's detokenizing and stop strings, and the two processes' lifetimes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+from replica_worker import LLM, SamplingParams
+from replica_worker.engine.config import CacheConfig, EngineConfig, ModelConfig
+from replica_worker.engine.kv_events import KVCacheEvents, PrefixCacheStats
+from replica_worker.engine.outputs import DeltaStats, EngineLoad, RequestDelta, StepResult, TokenLogprobs
+from replica_worker.engine.schedulers.base import AdmissionCapacity
+from replica_worker.worker import engine_wire
+from replica_worker.worker.engine_loop import AbortRequest, AddRequest, EngineReport, ReportNow
+from replica_worker.worker.engine_process import EngineProcess
+from tests.engine.hf_reference import hf_greedy
+from tests.router.test_scheduling import wait_until
+from tests.support.router_harness import client, collect, make_config, running_router, tokens_of
+from tests.worker.test_worker_with_router import PROMPTS, requests, run_worker
+
+
+def test_commands_and_reports_cross_the_wire_unchanged():
+    add = AddRequest("r1", [5, 6, 7], SamplingParams(max_tokens=9, temperature=0.5, top_k=3, seed=2**63,
+                                                       stop=("a", "bc"), stop_token_ids=(4,), logprobs=2),
+                     arrival_time=12.5, resume_token_ids=(8, 9), resume_text_len=3)
+    for cmd in (add, AbortRequest("r1"), ReportNow(), engine_wire.Stop()):
+        assert engine_wire.decode_command(engine_wire.encode_command(cmd)) == cmd
+    stats = DeltaStats(1.0, 1.5, 3, 2, 16, 1, (2.0, 2.5), 1.75)
+    report = EngineReport(
+        result=StepResult([
+            RequestDelta("r1", [11], "x", 2, stats=stats,
+                         logprobs=[TokenLogprobs(-0.5, ((11, -0.5), (12, -1.25)))]),
+            RequestDelta("r2", [], "", 0, finish_reason="error", error="too long"),
+        ], batch_size=2, num_tokens=7, num_preempted=1, step_time=0.01),
+        capacity=AdmissionCapacity(3, 400), load=EngineLoad(1, 2, 30, 40), request_ids=("r1",),
+        step_id=9, handed_back=("r3",), kv_events=KVCacheEvents((2**64 - 1,), (5,), False),
+        prefix_stats=PrefixCacheStats(10, 4, 2))
+    assert engine_wire.decode_report(engine_wire.encode_report(report)) == report
+
+
+def _engine_config(model) -> EngineConfig:
+    return EngineConfig(ModelConfig(str(model)), CacheConfig(num_blocks=64))
+
+
+def test_the_engine_process_reports_its_info_and_steps(tiny_model):
+    engine = EngineProcess(_engine_config(tiny_model), threads=1)
+    reports, finished = [], threading.Event()
+
+    def on_report(report):
+        reports.append(report)
+        if any(d.finish_reason for d in report.result.deltas):
+            finished.set()
+
+    try:
+        assert engine.info.num_kv_blocks == 64 and engine.info.max_model_len == 1024
+        assert engine.prefix_caching_enabled and engine.cached_block_hashes() == []
+        engine.attach(on_report).start()
+        engine.submit(AddRequest("r", PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)))
+        assert finished.wait(30)
+    finally:
+        engine.stop()
+    deltas = [d for r in reports for d in r.result.deltas]
+    assert [t for d in deltas for t in d.new_token_ids] == hf_greedy(str(tiny_model), PROMPTS[:1], 5)[0]
+    assert deltas[-1].finish_reason == "length" and deltas[0].stats.num_prompt_tokens == len(PROMPTS[0])
+    assert not engine._process.is_alive()
+
+
+def test_a_dead_engine_process_ends_its_worker_with_a_failure_status(tiny_model):
+    exits = []
+    engine = EngineProcess(_engine_config(tiny_model), threads=1, on_exit=exits.append)
+    engine.attach(lambda report: None).start()
+    os.kill(engine.pid, signal.SIGKILL)
+    wait_for(lambda: exits, 30)
+    assert exits == [70]  # killed by a signal: read as a failed device, like an accelerator error
+
+
+def test_the_engine_process_ends_when_its_worker_is_gone(tiny_model):
+    engine = EngineProcess(_engine_config(tiny_model), threads=1)
+    engine._conn.close()  # what the engine process sees when its worker is killed
+    engine._process.join(30)
+    assert engine._process.exitcode == 0
+
+
+def test_stop_strings_end_requests_in_the_worker_as_in_the_engine(redis_url, tiny_model, arun):
+    """Greedy outputs through a worker whose engine has its own process equal
+    transformers'; with stop strings, the texts and finish reasons equal the
+    offline engine's, which finds them itself."""
+    from common.pb.quadriga.v1 import generation_pb2 as gpb
+
+    n = 24
+    llm = LLM(str(tiny_model), num_blocks=64)
+    full = [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=n, temperature=0,
+                                                                             ignore_eos=True))]
+    stops = [(text[8:11],) for text in full]  # each cuts its request short
+    reference = llm.generate(PROMPTS, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, stop=s)
+                                       for s in stops])
+
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            worker, task = await run_worker(app.address, tiny_model, engine_thread=False)
+            assert worker.texts is not None  # the worker detokenizes, not the engine
+            async with client(app.address) as stub:
+                greedy = await asyncio.gather(*(collect(stub, r, timeout=60) for r in requests(n)))
+                stopped = await asyncio.gather(*(collect(stub, gpb.GenerateRequest(
+                    prompt_token_ids=p, sampling=gpb.SamplingParams(
+                        max_tokens=n, temperature=0.0, ignore_eos=True, stop=list(s))), timeout=60)
+                    for p, s in zip(PROMPTS, stops)))
+            await wait_until(lambda: not worker.book.live)
+            assert not list(worker.texts._requests)  # nothing left behind
+            worker.begin_drain()
+            await asyncio.wait_for(task, 30)
+            return greedy, stopped
+
+    greedy, stopped = arun(scenario(), timeout=180)
+    assert [tokens_of(m) for m in greedy] == hf_greedy(str(tiny_model), PROMPTS, n)
+    assert ["".join(m.text for m in msgs) for msgs in greedy] == full
+    for msgs, ref in zip(stopped, reference):
+        out = ref.outputs[0]
+        assert tokens_of(msgs) == out.token_ids and len(out.token_ids) < n
+        assert "".join(m.text for m in msgs) == out.text
+        assert msgs[-1].finish_reason == gpb.FINISH_REASON_STOP and out.finish_reason == "stop"
+
+
+def wait_for(condition, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
