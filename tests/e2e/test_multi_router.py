@@ -152,18 +152,23 @@ def test_routers_stopped_mid_stream_lose_and_recompute_nothing(router_tier, hf_r
                      for i, p in enumerate(PROMPTS)]
         tasks = [asyncio.create_task(f.run()) for f in followers]
         await until_streaming(followers, running=4)
-        await stop(0, front_sig)
-        deadline = time.monotonic() + 60
-        while not all(f.stream.broken for f in followers):
-            assert time.monotonic() < deadline, "the clients never left router 0"
-            await asyncio.sleep(0.05)
-        base = {id(f): f.progress for f in followers}
+        # The engines pause while the clients move, and again while router 1
+        # stops: on a loaded machine, the moves can take longer than the rest
+        # of the output, and the stop must come before its end.
+        with tier.engines_paused("r0", "r1"):
+            await stop(0, front_sig)
+            deadline = time.monotonic() + 60
+            while not all(f.stream.broken for f in followers):
+                assert time.monotonic() < deadline, "the clients never left router 0"
+                await asyncio.sleep(0.05)
+            base = {id(f): f.progress for f in followers}
         while sum(f.progress > base[id(f)] for f in followers) < 2:   # streaming through router 2
             assert time.monotonic() < deadline, "nothing streamed after the clients moved"
-            await asyncio.sleep(0.05)
-        assert min(f.progress for f in followers) < max_tokens
-        broken = [len(f.stream.broken) for f in followers]
-        await stop(1, back_sig)
+            await asyncio.sleep(0.005)
+        with tier.engines_paused("r0", "r1"):
+            assert min(f.progress for f in followers) < max_tokens
+            broken = [len(f.stream.broken) for f in followers]
+            await stop(1, back_sig)
         results = await asyncio.gather(*tasks)
         assert [len(f.stream.broken) for f in followers] == broken, "the replicas' router is not theirs"
         return followers, results

@@ -16,6 +16,7 @@ from tests.e2e.test_end_to_end import (
     replica_metric,
     requeues_of_exact_results,
 )
+from tests.support.live_stack import engine_pid
 
 TP = ("--tensor-parallel-size", "2")
 
@@ -93,10 +94,3 @@ def test_the_ranks_end_with_rank_zero(live_stack):
     wait_gone(rank1)
     assert tp.proc.wait(30) == 70
     assert "rank 0 exited or gave up on the ranks; tensor-parallel rank 1 exits with it" in tp.log_path.read_text()
-
-
-def engine_pid(child) -> int:
-    """The engine's process, rank 0 (the worker's process holds no rank)."""
-    found = re.search(r"engine ready in process (\d+)", child.log_path.read_text(errors="replace"))
-    assert found, f"no engine process in the replica's log:\n{child.tail()}"
-    return int(found.group(1))

@@ -3,6 +3,9 @@ router (LiveStack), or several sharing one Redis (RouterTier)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import signal
 import subprocess
 import time
@@ -65,6 +68,20 @@ class LiveStack:
                     raise RuntimeError(f"{replica_id} did not register:\n{child.tail()}")
                 time.sleep(0.05)
 
+    @contextlib.contextmanager
+    def engines_paused(self, *replica_ids: str):
+        """These replicas' engine processes stopped (SIGSTOP) inside the block:
+        no token is made, while their workers stay connected and heartbeat.
+        For a test whose point must come before the output is complete."""
+        pids = [engine_pid(self.replicas[r]) for r in replica_ids]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+
     def replica_failures(self) -> list[str]:
         """Replicas that exited, or logged a traceback: neither may happen in a fault test."""
         bad = []
@@ -116,6 +133,14 @@ class RouterTier(LiveStack):
     def stop(self) -> None:
         stop_together(list(self.replicas.values()), timeout=10)
         stop_together([c for c in self.routers if c is not None], timeout=10)
+
+
+def engine_pid(child: Child) -> int:
+    """A replica's engine process (rank 0 under tensor parallelism; the
+    worker's own process holds no rank)."""
+    found = re.search(r"engine ready in process (\d+)", child.log_path.read_text(errors="replace"))
+    assert found, f"no engine process in the replica's log:\n{child.tail()}"
+    return int(found.group(1))
 
 
 def stop_together(children: list[Child], timeout: float) -> None:
