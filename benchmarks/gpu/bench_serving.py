@@ -17,6 +17,11 @@ ignore_eos, output-len tokens each.
   tokens over the time from the first request sent to the last token
   received, and each stream's gaps between messages.
 
+Each side also says when its first token came and how many engine steps it
+took, with their summed time (the replica's step-seconds metric): the gap
+between served and offline splits into admission (the first token later),
+slower steps, and time between steps.
+
 The sides run one after another, each with the GPU to itself. The JSON
 (--out, rewritten after each side) holds every figure and the command.
 """
@@ -82,12 +87,46 @@ def run_offline(args, folder: Path) -> dict:
     batch = prompts(args, llm.engine.vocab_size)
     llm.generate(batch[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    steps = StepClock(llm.engine)
     start = time.perf_counter()
     outs = llm.generate(batch, params)
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert all(o.outputs[0].text for o in outs), "the offline engine did not detokenize"
-    return {"seconds": elapsed, "output_tokens": produced, "output_tok_s": produced / elapsed}
+    return {"seconds": elapsed, "output_tokens": produced, "output_tok_s": produced / elapsed,
+            "first_token_s": steps.first_token - start, "engine": steps.figures()}
+
+
+class StepClock:
+    """Counts an engine's steps and sums their time (as the replica's
+    step-seconds metric does), and notes when its first token came."""
+
+    def __init__(self, engine):
+        self.count, self.seconds, self.first_token = 0, 0.0, None
+        step = engine.step
+
+        def timed():
+            result = step()
+            self.count += 1
+            self.seconds += result.step_time
+            if self.first_token is None and any(d.new_token_ids for d in result.deltas):
+                self.first_token = time.perf_counter()
+            return result
+
+        engine.step = timed
+
+    def figures(self) -> dict:
+        return {"steps": self.count, "step_seconds": self.seconds}
+
+
+STEP_METRICS = ("quadriga_replica_step_seconds_sum", "quadriga_replica_step_seconds_count")
+
+
+def replica_steps(url: str) -> dict:
+    from benchmarks.harness.prefix_stats import scrape
+
+    got = scrape(url, STEP_METRICS)
+    return {"steps": int(got[STEP_METRICS[1]]), "step_seconds": got[STEP_METRICS[0]]}
 
 
 async def _stream(stub, prompt, args):
@@ -103,7 +142,7 @@ async def _stream(stub, prompt, args):
     return times, tokens, text
 
 
-async def _load(address: str, batch, args):
+async def _load(address: str, batch, args, replica_metrics: str):
     import grpc
 
     from common.pb.quadriga.v1 import generation_pb2_grpc
@@ -111,9 +150,10 @@ async def _load(address: str, batch, args):
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         await _stream(stub, batch[0][:64], argparse.Namespace(output_len=8))  # warm-up
+        before = await asyncio.to_thread(replica_steps, replica_metrics)
         start = time.perf_counter()
         results = await asyncio.gather(*(_stream(stub, p, args) for p in batch))
-        return start, results
+        return start, results, before
 
 
 def run_served(args, folder: Path, mode: str) -> dict:
@@ -127,7 +167,10 @@ def run_served(args, folder: Path, mode: str) -> dict:
         from transformers import AutoConfig
 
         batch = prompts(args, AutoConfig.from_pretrained(str(folder)).vocab_size)
-        start, results = asyncio.run(_load(stack.address, batch, args))
+        # The warm-up's steps are in `before`: the load's are the difference.
+        start, results, before = asyncio.run(_load(stack.address, batch, args,
+                                                   stack.replica_metrics_urls[0]))
+        after = replica_steps(stack.replica_metrics_urls[0])
     end = max(t[-1] for t, _, _ in results)
     produced = sum(n for _, n, _ in results)
     assert all(text for _, _, text in results), "the served replica did not detokenize"
@@ -135,7 +178,9 @@ def run_served(args, folder: Path, mode: str) -> dict:
     firsts = [t[0] - start for t, _, _ in results]
     return {"seconds": end - start, "output_tokens": produced, "output_tok_s": produced / (end - start),
             "ttft_p50_s": percentile(firsts, 50), "gap_p50_ms": 1e3 * percentile(gaps, 50),
-            "gap_p99_ms": 1e3 * percentile(gaps, 99), "messages": sum(len(t) for t, _, _ in results)}
+            "gap_p99_ms": 1e3 * percentile(gaps, 99), "messages": sum(len(t) for t, _, _ in results),
+            "first_token_s": min(firsts),
+            "engine": {k: after[k] - before[k] for k in after}}
 
 
 def main(argv=None) -> int:

@@ -9,6 +9,7 @@ numbers, strings, bytes, lists.
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass, fields
+from operator import attrgetter
 
 import msgpack
 
@@ -20,6 +21,9 @@ from replica_worker.engine.schedulers.base import AdmissionCapacity
 from replica_worker.worker.engine_loop import AbortRequest, AddRequest, EngineReport, ReportNow
 
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+# A delta's figures as a flat tuple: dataclasses.astuple deep-copies each field
+# and cost most of a report's encoding (1.7 of 2.1 ms for 256 deltas).
+_stats_row = attrgetter(*(f.name for f in fields(DeltaStats)))
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ def decode_info(data: bytes) -> EngineInfo:
 # ---- reports ----
 def _delta(d: RequestDelta) -> list:
     logprobs = None if d.logprobs is None else [[e.logprob, [list(t) for t in e.top]] for e in d.logprobs]
-    stats = None if d.stats is None else list(astuple(d.stats))
+    stats = None if d.stats is None else _stats_row(d.stats)
     return [d.request_id, d.new_token_ids, d.text, d.output_offset, d.finish_reason, d.error, logprobs, stats]
 
 
