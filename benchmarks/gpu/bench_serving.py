@@ -160,10 +160,14 @@ def run_served(args, folder: Path, mode: str) -> dict:
     from benchmarks.harness.stack import Stack
 
     replica_args = [f"--{k.replace('_', '-')}={v}" for k, v in engine_args(args.device).items()]
+    name = mode.replace("@", "-t")
+    mode, _, threads = mode.partition("@")
     if mode == "thread":
         replica_args.append("--engine-thread")
+    if threads:
+        replica_args.append(f"--threads={int(threads)}")
     with Stack(replicas=1, model=str(folder), device=args.device, replica_args=replica_args,
-               log_dir=str(Path(args.log_dir) / f"served-{mode}")) as stack:
+               log_dir=str(Path(args.log_dir) / f"served-{name}")) as stack:
         from transformers import AutoConfig
 
         batch = prompts(args, AutoConfig.from_pretrained(str(folder)).vocab_size)
@@ -190,7 +194,9 @@ def main(argv=None) -> int:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--modes", default="process,thread", help="served modes, in order")
+    ap.add_argument("--modes", default="process,thread",
+                    help="served modes, in order: process or thread, each with @N for N torch threads "
+                         "in the replica (process@1), else torch's default")
     ap.add_argument("--tokenizer", default=str(ROOT / ".cache" / "models" / "smollm2"))
     ap.add_argument("--log-dir", default=tempfile.mkdtemp(prefix="serving-logs-"))
     ap.add_argument("--device", default="cuda")
