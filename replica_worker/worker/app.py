@@ -23,13 +23,13 @@ def build_worker(config: WorkerConfig) -> ReplicaWorker:
     )
     tokenizer = load_tokenizer(config.model)
     if config.engine_thread:
-        if config.threads:
+        if config.engine_threads:
             import torch
 
-            torch.set_num_threads(config.threads)
+            torch.set_num_threads(config.engine_threads)
         engine = EngineCore(engine_cfg, tokenizer)
     else:
-        engine = EngineProcess(engine_cfg, tokenizer, threads=config.threads)
+        engine = EngineProcess(engine_cfg, tokenizer, threads=config.engine_threads)
     # Under tensor parallelism the engine is rank 0 (EngineCore started the other
     # ranks): the worker alone talks to the router, as one replica with the ranks' KV blocks.
     log.info("engine ready%s: %s on %s, %d KV blocks, scheduler %s, tensor parallel %d",

@@ -33,11 +33,23 @@ class WorkerConfig:
     reconnect_max_s: float = 1.0
     drain_timeout_s: float = 30.0    # on SIGTERM: finish running work for this long, then hand back
     metrics_port: int = 0            # Prometheus endpoint; 0: none
-    threads: int = 0                 # torch CPU threads; 0: torch's default (all cores)
+    threads: int = 0                 # torch CPU threads; 0: the default (engine_threads)
     # The engine steps on a thread of the worker's process instead of a process
     # of its own (engine_process.py), sharing the GIL with the gRPC side.
     engine_thread: bool = False
     engine_args: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def engine_threads(self) -> int:
+        """Torch CPU threads for the engine; 0 leaves torch's default (all cores).
+
+        On an accelerator, one: the engine's host work is one Python thread, and
+        idle intra-op threads spinning on every core slowed its steps by 8-10%
+        beside the worker, router and clients (benchmarks/results/gpu/serving/
+        serving_h200_threads_ab.json). On the CPU the model's own matmuls need them."""
+        if self.threads:
+            return self.threads
+        return 0 if self.device == "cpu" else 1
 
     @property
     def routers(self) -> list[str]:
@@ -89,8 +101,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--tls-ca-file", default=_env("TLS_CA_FILE", ""))
     p.add_argument("--metrics-port", type=int, default=int(_env("REPLICA_METRICS_PORT", 0)))
     p.add_argument("--threads", type=int, default=int(_env("TORCH_THREADS", 0)),
-                   help="torch CPU threads (default: all cores); give each of N CPU replicas on one "
-                        "machine cores/N so they do not oversubscribe it")
+                   help="torch CPU threads (default: all cores on the CPU, 1 on an accelerator); give "
+                        "each of N CPU replicas on one machine cores/N so they do not oversubscribe it")
     p.add_argument("--engine-thread", action="store_true", default=_env("ENGINE_THREAD", "") not in ("", "0"),
                    help="step the engine on a thread of this process, not in a process of its own "
                         "(which keeps detokenizing and the router stream off the engine's GIL)")
