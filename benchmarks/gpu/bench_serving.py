@@ -216,7 +216,10 @@ def main(argv=None) -> int:
            "model": ("a 2-layer smoke body" if args.smoke else "Llama-3.1-8B body") +
                     ", dummy weights, SmolLM2's vocabulary and tokenizer",
            "device": args.device, "engine": engine_args(args.device), "sides": {}}
-    for side in ["offline", *args.modes.split(",")]:
+    modes = args.modes.split(",")
+    # A mode may run more than once (an A/B/A): each side is keyed by its mode and its place.
+    keys = ["offline", *(f"{m}#{i}" if modes.count(m) > 1 else m for i, m in enumerate(modes, 1))]
+    for key, side in zip(keys, ["offline", *modes]):
         cmd = [sys.executable, __file__, "--side", side, "--model-dir", str(folder), "--out", args.out,
                "--requests", str(args.requests), "--input-len", str(args.input_len),
                "--output-len", str(args.output_len), "--seed", str(args.seed), "--log-dir", args.log_dir,
@@ -224,13 +227,13 @@ def main(argv=None) -> int:
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
-            out["sides"][side] = {"error": f"exit {proc.returncode}", "tail": proc.stderr[-2000:]}
+            out["sides"][key] = {"error": f"exit {proc.returncode}", "tail": proc.stderr[-2000:]}
         else:
-            out["sides"][side] = json.loads(line[len("RESULT "):])
+            out["sides"][key] = json.loads(line[len("RESULT "):])
             if side != "offline" and "output_tok_s" in out["sides"].get("offline", {}):
-                out["sides"][side]["served_over_offline"] = (
-                    out["sides"][side]["output_tok_s"] / out["sides"]["offline"]["output_tok_s"])
-        print(side, json.dumps(out["sides"][side])[:600], flush=True)
+                out["sides"][key]["served_over_offline"] = (
+                    out["sides"][key]["output_tok_s"] / out["sides"]["offline"]["output_tok_s"])
+        print(key, json.dumps(out["sides"][key])[:600], flush=True)
         Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
 
