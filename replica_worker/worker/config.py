@@ -44,7 +44,7 @@ class WorkerConfig:
         """Torch CPU threads for the engine; 0 leaves torch's default (all cores).
 
         On an accelerator, one: the engine's host work is one Python thread, and
-        idle intra-op threads spinning on every core slowed its steps by 8-10%
+        with torch's default intra-op threads its steps summed 9-11% longer
         beside the worker, router and clients (benchmarks/results/gpu/serving/
         serving_h200_threads_ab.json). On the CPU the model's own matmuls need them."""
         if self.threads:
