@@ -10,6 +10,7 @@ the same request_id either re-attaches or starts afresh, never meets a ghost.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -96,6 +97,10 @@ class Admission:
     async def open(self, spec: RequestSpec) -> RequestState:
         """Validates and accepts a request, or finds the one it re-attaches to."""
         check_request(spec, self.limits)
+        if not spec.stream_interval:
+            # Stored and sent to the replica as resolved here, so the replica
+            # coalesces as this router's subscribers would.
+            spec = dataclasses.replace(spec, stream_interval=self.config.stream_interval)
         digest = spec.digest()
         if spec.request_id:
             found = self._in_memory(spec.request_id, digest)

@@ -21,6 +21,7 @@ from common.pb.quadriga.v1 import replica_pb2 as pb
 from common.pb.quadriga.v1 import replica_pb2_grpc
 from replica_worker.engine.errors import InvalidRequestError
 from replica_worker.worker import protocol
+from replica_worker.worker.coalescing import DeltaCoalescer
 from replica_worker.worker.config import WorkerConfig
 from replica_worker.worker.credit import PullCredit
 from replica_worker.engine.output_text import OutputTexts
@@ -50,6 +51,7 @@ class ReplicaWorker:
         self.config = config
         self.capacity_msg = capacity_msg
         self.book = RequestBook()
+        self.coalescer = DeltaCoalescer()
         self.credit = PullCredit(prefetch=config.prefetch)
         # The router mirrors the prefix cache from this copy (kv_mirror.py). Read
         # before the engine thread starts: the engine is not thread-safe.
@@ -324,6 +326,7 @@ class ReplicaWorker:
             context = len(a.prompt_token_ids) + len(a.resume_token_ids)
             tokens += context
             self.book.assigned(a.request_id, context, len(a.resume_token_ids))
+            self.coalescer.assigned(a.request_id, a.stream_interval)
             try:
                 command = protocol.add_request_from_pb(a)
             except InvalidRequestError as exc:
@@ -337,10 +340,7 @@ class ReplicaWorker:
             self.engine_loop.submit(command)
         self.credit.on_assigned(len(assignments), tokens)
         if rejected:
-            seq = self.book.next_seq()
-            for d in rejected:
-                self.book.record(d, seq)
-            self._send(pb.ReplicaMessage(step=pb.StepOutputs(step_id=seq, deltas=rejected)))
+            self._send_deltas(rejected)
             # Their credit is spent and no engine step may follow (an idle
             # engine reports only when it has work): ask for a report so the
             # capacity they never took is granted again.
@@ -365,9 +365,19 @@ class ReplicaWorker:
             if self.draining and time.monotonic() > self._drain_deadline:
                 self._hand_back_all()
 
+    def _send_deltas(self, deltas: list[pb.RequestDelta]) -> None:
+        """Deltas outside an engine report, in a StepOutputs of their own."""
+        if not deltas:
+            return
+        seq = self.book.next_seq()
+        deltas = [d for d in deltas if self.book.record(d, seq)]
+        if deltas:
+            self._send(pb.ReplicaMessage(step=pb.StepOutputs(step_id=seq, deltas=deltas)))
+
     def _hand_back(self, ids) -> None:
         """The engine gave these up after a recoverable error (they hold no KV any
         more): the router resumes them, here or elsewhere, from what it recorded."""
+        self._send_deltas(self.coalescer.release(ids))
         for rid in ids:
             self.book.dropped(rid)
         log.warning("handing %d requests back to the router after an engine error", len(ids))
@@ -378,6 +388,8 @@ class ReplicaWorker:
         ids = self.book.unfinished
         for rid in ids:
             self.engine_loop.submit(AbortRequest(rid))
+        self._send_deltas(self.coalescer.release(ids))
+        for rid in ids:
             self.book.dropped(rid)
         if ids:
             log.info("drain timeout: handing back %d requests", len(ids))
@@ -429,9 +441,10 @@ class ReplicaWorker:
         deltas = []
         seq = self.book.next_seq() if res.deltas else 0
         for d in res.deltas:
-            msg = protocol.delta_to_pb(d, self.book.first_scheduled_sent(d.request_id))
-            if self.book.record(msg, seq):
+            msg = self.coalescer.offer(protocol.delta_to_pb(d, self.book.first_scheduled_sent(d.request_id)))
+            if msg is not None and self.book.record(msg, seq):
                 deltas.append(msg)
+        self.coalescer.retain(self.book.live)
         if not connected:
             return
         grant = None if self.draining else \

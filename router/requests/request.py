@@ -131,7 +131,7 @@ class RequestState:
     def notify(self) -> None:
         n = self.visible_tokens
         for sub in self.subscribers:
-            if self.finish_visible or n - sub.tok >= sub.interval:
+            if self.finish_visible or n - sub.tok >= sub.interval or (sub.tok == 0 < n):
                 sub.event.set()
 
     def take(self, sub: Subscriber):
@@ -139,7 +139,8 @@ class RequestState:
         or None when nothing new is due for this subscriber."""
         n = self.visible_tokens
         last = self.finish_visible
-        if not last and n - sub.tok < sub.interval:
+        # The first message goes as soon as there is a token: coalescing never delays TTFT.
+        if not last and n - sub.tok < sub.interval and not (sub.tok == 0 < n):
             return None
         out = (self.tokens[sub.tok:n], "".join(self.parts[sub.part:self.visible_parts]), sub.tok, last)
         sub.tok, sub.part = n, self.visible_parts

@@ -38,11 +38,14 @@ async def generate_all(address, prompts, max_tokens):
     return await asyncio.gather(*(generate(address, p, max_tokens) for p in prompts))
 
 
-async def generate_and_fail_midway(address, prompts, max_tokens, fail, min_tokens=5):
+async def generate_and_fail_midway(address, prompts, max_tokens, fail, min_tokens=5, intervals=None):
     """Streams every prompt; once each has streamed min_tokens and none is near its end,
-    awaits fail() (a kill, say); returns generate()'s results."""
+    awaits fail() (a kill, say); returns generate()'s results. intervals: each
+    request's stream_interval (default: the router's)."""
     progress = [[0] for _ in prompts]
-    tasks = [asyncio.create_task(generate(address, p, max_tokens, progress=n)) for p, n in zip(prompts, progress)]
+    intervals = intervals or [0] * len(prompts)
+    tasks = [asyncio.create_task(generate(address, p, max_tokens, progress=n, stream_interval=k))
+             for p, n, k in zip(prompts, progress, intervals)]
     while min(n[0] for n in progress) < min_tokens:
         await asyncio.sleep(0.01)
     assert max(n[0] for n in progress) < max_tokens
@@ -88,8 +91,11 @@ def test_replica_killed_mid_generation_loses_nothing(live_stack, hf_reference, p
     async def kill_r0():
         stack.replicas["r0"].proc.send_signal(signal.SIGKILL)
 
-    # Four seats each, so all eight run at once when r0 dies.
-    results = asyncio.run(generate_and_fail_midway(stack.address, PROMPTS, max_tokens, kill_r0))
+    # Four seats each, so all eight run at once when r0 dies. Half coalesce at
+    # the replica: the tokens r0 held for them die with it and are recomputed.
+    intervals = [0, 8] * (len(PROMPTS) // 2)
+    results = asyncio.run(generate_and_fail_midway(stack.address, PROMPTS, max_tokens, kill_r0,
+                                                   intervals=intervals))
     requeued = requeues_of_exact_results(PROMPTS, results, hf_reference, max_tokens)
     assert requeued > 0, "the kill should have moved some requests to r1"
 

@@ -220,10 +220,31 @@ def test_stream_interval_coalesces(redis_url, tiny_model, arun):
             await reps.add("r", step_delay=0.005)
             async with client(app.address) as stub:
                 msgs = await collect(stub, request([3, 4], 10, stream_interval=4))
+                default = await collect(stub, request([5], 3))
             assert tokens_of(msgs) == expected_tokens([3, 4], 10, app.limits.vocab_size)
-            assert all(len(m.token_ids) >= 4 for m in msgs[:-1])
-            assert len(msgs) <= 3
+            # The first token goes at once; after it, at least 4 tokens a message.
+            assert all(len(m.token_ids) >= 4 for m in msgs[1:-1])
+            assert len(msgs) <= 4
             assert "".join(m.text for m in msgs) == "".join(f"<{t}>" for t in tokens_of(msgs))
+            # The replica is told the interval, the router's default when the client set none.
+            intervals = [a.stream_interval for a in reps["r"].rec.assignments]
+            assert intervals == [4, app.config.stream_interval]
+            assert tokens_of(default) == expected_tokens([5], 3, app.limits.vocab_size)
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_stream_interval_never_delays_the_first_token(redis_url, tiny_model, arun):
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            reps = Replicas(app.address, app.limits.vocab_size)
+            await reps.add("r", step_delay=0.3)   # a token every 0.3 s
+            async with client(app.address) as stub:
+                msgs = await collect(stub, request([3, 4], 8, stream_interval=8))
+            assert tokens_of(msgs) == expected_tokens([3, 4], 8, app.limits.vocab_size)
+            # Waiting for 8 tokens would take 2.4 s; the first message leaves with the first.
+            assert len(msgs[0].token_ids) < 4
             await reps.close()
 
     arun(scenario())
