@@ -10,10 +10,11 @@ Measures, in one process, each section guarded so one failure leaves the others:
              the sampled-id sync included) and device time of the graph replay alone
   prefill    one prompt of 512/2048/8192 tokens in one chunk: tokens/s and the share of
              the measured matmul rate its FLOPs reach
-  offline    1000 requests of 1024 random tokens in, 256 out (greedy, ignore_eos) through
-             LLM.generate: output tokens/s
-  hf         transformers' generate on the same shape: prefill and per-step decode time at a few
-             batch sizes, extrapolated to the same 1000-request job (labelled as an estimate)
+  offline    1000 requests of 1024 random tokens in, 256 out (ignore_eos) through LLM.generate,
+             greedy and sampled with a seed per request, at each --offline-threads count:
+             output tokens/s (no tokenizer in the folder: no detokenization, so labelled)
+  hf         transformers' generate on the same 1000-request job, timed whole at each batch
+             size; the engine's greedy rate over its best is printed
   decode_unfused  when fused kernels ran (QUADRIGA_FUSED_OPS, default Triton): batch 1 and 32
              decode again with them off (QUADRIGA_FUSED_OPS=0), an A/B in the same process
 Prints as it goes; the JSON at --out is rewritten after every section.
@@ -265,28 +266,64 @@ def prefill(holder: dict, lengths, ceil: dict, profile: bool):
             "flops_counted": "2*tokens*linear params + lm_head for the sampled row + causal attention 4*H*D*n(n+1)/2 per layer"}
 
 
-@section("offline")
-def offline(holder: dict, num: int, n_in: int, n_out: int):
-    llm = holder["llm"]
-    rng = random.Random(2)
-    prompts = [[rng.randrange(128000) for _ in range(n_in)] for _ in range(num)]
-    params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
+def _offline_job(llm, prompts, params_of, n_out: int) -> dict:
     replays0 = llm.engine.runner.graphs.replays if llm.engine.runner.graphs else 0
     torch.cuda.synchronize()
     t = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, [params_of(i) for i in range(len(prompts))])
     el = time.perf_counter() - t
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    r = {"requests": num, "input_tokens": n_in, "output_tokens": n_out, "seconds": el,
-         "output_tokens_per_s": produced / el, "total_tokens_per_s": (produced + num * n_in) / el,
-         "graph_replays": (llm.engine.runner.graphs.replays - replays0) if llm.engine.runner.graphs else 0,
-         "engine": "sarathi, chunk_size/max_num_seqs as in startup"}
-    print(r)
-    return r
+    return {"seconds": el, "output_tokens_per_s": produced / el,
+            "total_tokens_per_s": (produced + sum(map(len, prompts))) / el,
+            "graph_replays": (llm.engine.runner.graphs.replays - replays0) if llm.engine.runner.graphs else 0,
+            "all_full_length": produced == len(prompts) * n_out}
+
+
+def job_prompts(num: int, n_in: int) -> list[list[int]]:
+    rng = random.Random(2)
+    return [[rng.randrange(128000) for _ in range(n_in)] for _ in range(num)]
+
+
+GREEDY = dict(temperature=0.0)
+# Sampled as a chat client samples, each request with its own seed.
+SEEDED = dict(temperature=0.8, top_p=0.95, top_k=50)
+
+
+@section("offline")
+def offline(holder: dict, num: int, n_in: int, n_out: int, threads: list[int]):
+    """The same job, greedy and sampled with a seed per request, at each torch
+    thread count in `threads` (0: torch's default here), sides interleaved."""
+    llm = holder["llm"]
+    prompts = job_prompts(num, n_in)
+    default_threads = torch.get_num_threads()
+    runs = []
+    for n in threads:
+        torch.set_num_threads(n or default_threads)
+        for mode, knobs in (("greedy", GREEDY), ("seeded", SEEDED)):
+            seeded = mode == "seeded"
+
+            def params_of(i, knobs=knobs, seeded=seeded):
+                return SamplingParams(max_tokens=n_out, ignore_eos=True, seed=i if seeded else None, **knobs)
+
+            r = {"mode": mode, "torch_threads": torch.get_num_threads(), **_offline_job(llm, prompts, params_of, n_out)}
+            print(r, flush=True)
+            runs.append(r)
+            save()
+    torch.set_num_threads(default_threads)
+    by = {(r["mode"], r["torch_threads"]): r["output_tokens_per_s"] for r in runs}
+    ratios = {f"seeded/greedy@{t}": by[("seeded", t)] / by[("greedy", t)]
+              for (m, t) in by if m == "greedy" and ("seeded", t) in by}
+    return {"requests": num, "input_tokens": n_in, "output_tokens": n_out, "runs": runs,
+            "seeded_over_greedy": ratios, "sampled": SEEDED, "detokenized": False,
+            "engine": "sarathi, chunk_size/max_num_seqs as in startup",
+            "note": "no tokenizer in the model folder: no detokenization (bench_serving.py measures "
+                    "offline with SmolLM2's tokenizer)"}
 
 
 @section("hf")
 def hf_baseline(model_dir: str, batches, num: int, n_in: int, n_out: int):
+    """transformers' generate on the whole job: the same prompts in waves of
+    `batch`, each generating exactly n_out tokens (EOS does not stop it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -294,28 +331,25 @@ def hf_baseline(model_dir: str, batches, num: int, n_in: int, n_out: int):
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     print(f"hf model built in {time.perf_counter() - t:.1f} s", flush=True)
+    prompts = torch.tensor(job_prompts(num, n_in), device="cuda")
     rows = []
+
+    def gen(ids, k):
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=k,
+                                 min_new_tokens=k, do_sample=False, pad_token_id=0)
+        return out.shape[1] - ids.shape[1]
+
     for b in batches:
         try:
-            ids = torch.randint(0, 128000, (b, n_in), device="cuda")
-            mask = torch.ones_like(ids)
-
-            def gen(k):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k,
-                                   do_sample=False, pad_token_id=0)
-                torch.cuda.synchronize()
-                return time.perf_counter() - t0
-
-            gen(2)  # warm-up
-            t1, t9 = gen(1), gen(9)
-            step = (t9 - t1) / 8
-            waves = -(-num // b)
-            est = waves * (t1 + (n_out - 1) * step)
-            row = {"batch": b, "prefill_s": t1, "decode_step_ms": step * 1e3,
-                   "est_job_s": est, "est_output_tokens_per_s": num * n_out / est}
+            gen(prompts[:b], 2)  # warm-up at this batch's shapes
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            produced = sum(gen(prompts[i:i + b], n_out) * len(prompts[i:i + b]) for i in range(0, num, b))
+            torch.cuda.synchronize()
+            el = time.perf_counter() - t0
+            row = {"batch": b, "waves": -(-num // b), "seconds": el, "output_tokens": produced,
+                   "output_tokens_per_s": produced / el}
             print(row, flush=True)
             rows.append(row)
         except Exception as exc:
@@ -323,12 +357,11 @@ def hf_baseline(model_dir: str, batches, num: int, n_in: int, n_out: int):
             rows.append({"batch": b, "error": f"{type(exc).__name__}: {exc}"})
         torch.cuda.empty_cache()
         save()
-    ok = [r for r in rows if "est_output_tokens_per_s" in r]
-    best = max(ok, key=lambda r: r["est_output_tokens_per_s"]) if ok else None
+    ok = [r for r in rows if "output_tokens_per_s" in r]
+    best = max(ok, key=lambda r: r["output_tokens_per_s"]) if ok else None
     return {"rows": rows, "best": best,
-            "method": f"generate(max_new_tokens=1) and (=9) on {n_in}-token prompts; decode step = difference/8; "
-                      f"job = ceil({num}/batch) waves of (prefill + {n_out - 1} steps). Steps measured at context "
-                      f"~{n_in}, so later, longer steps are not counted: an optimistic estimate for transformers."}
+            "method": f"generate(max_new_tokens=min_new_tokens={n_out}, greedy, sdpa, DynamicCache) over all "
+                      f"{num} prompts in waves of `batch`, timed whole after one warm-up call per batch size"}
 
 
 def main() -> None:
@@ -339,6 +372,10 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-offline", action="store_true", help="leave out the 1000-request job (~1 min)")
     ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--offline-threads", default="0,1",
+                    help="torch thread counts for the offline job, 0: torch's default")
+    ap.add_argument("--hf-batches", default="256,384")
+    ap.add_argument("--skip-unfused", action="store_true", help="leave out the A/B without fused kernels")
     args = ap.parse_args()
     OUT = Path(args.out)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
@@ -364,11 +401,11 @@ def main() -> None:
         section("decode")(decode)(holder, [1, 8, 32, 128, 256], ceil, 30, True)
         prefill(holder, [512, 2048, 8192], ceil, True)
         if not args.skip_offline:
-            offline(holder, args.requests, 1024, 256)
+            offline(holder, args.requests, 1024, 256, [int(t) for t in args.offline_threads.split(",")])
     holder.clear()
     gc.collect()
     torch.cuda.empty_cache()
-    if RESULTS.get("fused_ops"):  # the same decode steps without the fused norm/rope/SwiGLU kernels
+    if RESULTS.get("fused_ops") and not args.skip_unfused:  # the same decode steps without the fused norm/rope/SwiGLU kernels
         os.environ["QUADRIGA_FUSED_OPS"] = "0"
         section("startup_unfused")(startup)(str(model_dir), 32, 2048, holder)
         if "llm" in holder:
@@ -378,7 +415,16 @@ def main() -> None:
         torch.cuda.empty_cache()
         save()
     if not args.skip_hf:
-        hf_baseline(str(model_dir), [32, 128, 256], args.requests, 1024, 256)
+        hf_baseline(str(model_dir), [int(b) for b in args.hf_batches.split(",")], args.requests, 1024, 256)
+        engine = max((r["output_tokens_per_s"] for r in RESULTS.get("offline", {}).get("runs", [])
+                      if r["mode"] == "greedy"), default=None)
+        hf_best = (RESULTS.get("hf") or {}).get("best")
+        if engine and hf_best:
+            RESULTS["engine_over_transformers"] = engine / hf_best["output_tokens_per_s"]
+            print(f"engine greedy {engine:.0f} tok/s over transformers' best "
+                  f"{hf_best['output_tokens_per_s']:.0f} (batch {hf_best['batch']}): "
+                  f"{RESULTS['engine_over_transformers']:.2f}x", flush=True)
+        save()
     print("\n=== summary ===")
     print(json.dumps({k: v for k, v in RESULTS.items() if k != "command"}, indent=1)[:6000])
 
