@@ -4,6 +4,8 @@ list of routers (FailoverStream); shared by the CLI, tests and benchmarks."""
 from __future__ import annotations
 
 import asyncio
+import random
+import time
 import uuid
 
 import grpc
@@ -95,21 +97,56 @@ def parse_routers(value: str) -> list[str]:
     return routers
 
 
+class RouterHealth:
+    """Which routers failed lately, shared by the streams of one client process.
+
+    A router that broke a stream or refused a call is passed over for
+    `down_for` seconds, doubling with each failure in a row up to
+    `max_down_for`; a stream it serves again clears it. New requests then
+    start at a live router instead of each paying a failed call first."""
+
+    def __init__(self, down_for: float = 1.0, max_down_for: float = 16.0):
+        self.down_for, self.max_down_for = down_for, max_down_for
+        self._down_until: dict[str, float] = {}
+        self._failures: dict[str, int] = {}
+
+    def failed(self, address: str) -> None:
+        n = self._failures.get(address, 0) + 1
+        self._failures[address] = n
+        self._down_until[address] = time.monotonic() + min(self.max_down_for, self.down_for * 2 ** (n - 1))
+
+    def served(self, address: str) -> None:
+        if address in self._failures:
+            del self._failures[address]
+            self._down_until.pop(address, None)
+
+    def usable(self, address: str) -> bool:
+        return self._down_until.get(address, 0.0) <= time.monotonic()
+
+
 class FailoverStream:
     """Streams one request from a list of routers: when a stream breaks
-    (its router stopped, died or froze) it calls the next router with the same
+    (its router stopped, died or froze) it calls another router with the same
     request_id, which re-attaches and replays the output from token 0; what
     was delivered already is skipped, so the caller sees every token once, in
     order, with output_offset continuing. A request without a request_id gets one.
+
+    The first attempt goes to the first router in the list not known to be
+    down. After a break the next is drawn at random from the routers not known
+    to be down: the streams of a router that died spread over all the others
+    (in list order they would all land on the next one, doubling its load).
+    Only when every router is down does it wait retry_delay between attempts.
 
         async for msg in FailoverStream(["a:50051", "b:50051"], request): ...
     """
 
     def __init__(self, routers: list[str], request: pb.GenerateRequest, *, ca_file: str = "",
                  metadata=(), attempt_timeout: float | None = None, max_attempts: int = 100,
-                 retry_delay: float = 0.2, channels: dict | None = None):
-        """channels: address -> open channel, shared by many streams (a load
-        generator); without it each attempt opens and closes its own."""
+                 retry_delay: float = 0.2, channels: dict | None = None,
+                 health: RouterHealth | None = None):
+        """channels: address -> open channel, and health, shared by many
+        streams (a load generator); without them each attempt opens and closes
+        its own channel, and the stream alone learns which routers failed."""
         self.routers = list(routers)
         self.request = pb.GenerateRequest()
         self.request.CopyFrom(request)
@@ -118,14 +155,26 @@ class FailoverStream:
         self.ca_file, self.metadata = ca_file, tuple(metadata)
         self.attempt_timeout, self.max_attempts, self.retry_delay = attempt_timeout, max_attempts, retry_delay
         self.channels = channels
+        self.health = health if health is not None else RouterHealth()
         self.tokens = 0          # tokens delivered to the caller
         self.chars = 0           # characters of text delivered
         self.broken: list[str] = []   # how each attempt that broke ended (status names)
-        self._turn = 0
+        self._rng = random.Random(self.request.request_id)
+
+    def _first(self) -> str:
+        return next((r for r in self.routers if self.health.usable(r)), self.routers[0])
+
+    def _after(self, failed: str) -> tuple[str, bool]:
+        """The router to try after `failed` broke, and whether to wait first."""
+        live = [r for r in self.routers if r != failed and self.health.usable(r)]
+        if live:
+            return self._rng.choice(live), False
+        nxt = self.routers[(self.routers.index(failed) + 1) % len(self.routers)]
+        return nxt, True
 
     async def __aiter__(self):
+        address = self._first()
         while True:
-            address = self.routers[self._turn % len(self.routers)]
             try:
                 async for msg in self._attempt(address):
                     yield msg
@@ -137,13 +186,23 @@ class FailoverStream:
                     raise
                 code = exc.code()
             self.broken.append(code.name)
+            self.health.failed(address)
             if len(self.broken) >= self.max_attempts:
                 raise RuntimeError(f"request {self.request.request_id}: {len(self.broken)} attempts "
                                    f"broke ({', '.join(self.broken[-3:])})")
-            self._turn += 1
-            await asyncio.sleep(self.retry_delay)
+            address, wait = self._after(address)
+            if wait:
+                await asyncio.sleep(self.retry_delay)
 
     async def _attempt(self, address: str):
+        first = True
+        async for msg in self._at(address):
+            if first:   # it answers: no longer passed over
+                self.health.served(address)
+                first = False
+            yield msg
+
+    async def _at(self, address: str):
         if self.channels is None:
             async with aio_channel(address, self.ca_file, options=KEEPALIVE_OPTIONS) as channel:
                 async for msg in self._follow(channel):

@@ -20,7 +20,7 @@ import random
 import time
 from pathlib import Path
 
-from client.api import FailoverStream, make_request, parse_routers
+from client.api import FailoverStream, RouterHealth, make_request, parse_routers
 
 
 def expected_tokens(prompt, n: int, vocab: int) -> list[int]:
@@ -30,11 +30,11 @@ def expected_tokens(prompt, n: int, vocab: int) -> list[int]:
     return [(base + i) % vocab for i in range(n)]
 
 
-async def one(routers, index, prompt, args, channels, start, out):
+async def one(routers, index, prompt, args, channels, health, start, out):
     order = routers[index % len(routers):] + routers[:index % len(routers)]
     request = make_request(prompt, request_id=f"{args.seed}-{index}", max_tokens=args.output_tokens,
                            ignore_eos=True, temperature=0.0, stream_interval=args.stream_interval)
-    stream = FailoverStream(order, request, channels=channels, attempt_timeout=120,
+    stream = FailoverStream(order, request, channels=channels, health=health, attempt_timeout=120,
                             retry_delay=0.05)
     sent = time.perf_counter()
     rec = dict(i=index, sent=sent - start, ttft=None, end=None, tokens=0, exact=False,
@@ -71,6 +71,7 @@ async def run(args) -> dict:
         times.append(t)
     prompts = [[rng.randrange(args.vocab) for _ in range(args.prompt_len)] for _ in times]
     channels: dict = {}
+    health = RouterHealth()   # one client process: its streams learn together which router died
     out: list[dict] = []
     loop = asyncio.get_running_loop()
     start = time.perf_counter()
@@ -80,7 +81,7 @@ async def run(args) -> dict:
         if delay > 0.0005:
             await asyncio.sleep(delay)
         tasks.append(loop.create_task(one(routers, args.first_index + i, prompt, args, channels,
-                                          start, out)))
+                                          health, start, out)))
     send_window = time.perf_counter() - start
     await asyncio.gather(*tasks)
     for channel in channels.values():

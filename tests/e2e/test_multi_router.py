@@ -130,10 +130,10 @@ def test_routers_stopped_mid_stream_lose_and_recompute_nothing(router_tier, hf_r
                                                                front_sig, back_sig):
     """Three routers: clients on router 0, both replicas (two seats each) on
     router 1. Router 0 (the clients' router) is stopped mid-stream: every client
-    re-attaches at router 2. Then router 1 (the replicas') is stopped: both
-    replicas move to router 2, which adopts their running work, while the
-    clients' streams there go on. One signal each way, and the other in the
-    other case."""
+    re-attaches at router 1 or 2 (drawn per request). Then router 1 (the
+    replicas') is stopped: both replicas move to router 2, which adopts their
+    running work, while the clients' streams there go on and those at router 1
+    re-attach once more. One signal each way, and the other in the other case."""
     tier = router_tier(3, router_args=("--lease-ttl", "20"))
     for i in range(2):
         tier.start_replica(f"r{i}", "--max-num-seqs", "2", router=",".join(tier.addresses(1, 2, 0)),
@@ -170,7 +170,9 @@ def test_routers_stopped_mid_stream_lose_and_recompute_nothing(router_tier, hf_r
             broken = [len(f.stream.broken) for f in followers]
             await stop(1, back_sig)
         results = await asyncio.gather(*tasks)
-        assert [len(f.stream.broken) for f in followers] == broken, "the replicas' router is not theirs"
+        moved_again = [len(f.stream.broken) - b for f, b in zip(followers, broken)]
+        # The draw is seeded by the request id: these ids put clients on both.
+        assert sorted(set(moved_again)) == [0, 1], moved_again
         return followers, results
 
     followers, results = asyncio.run(scenario())
