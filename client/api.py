@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 import uuid
 
 import grpc
 
 from common.pb.quadriga.v1 import generation_pb2 as pb
 from common.pb.quadriga.v1 import generation_pb2_grpc
+from common.router_health import RouterHealth
 
 FINISH_NAMES = {
     pb.FINISH_REASON_STOP: "stop",
@@ -97,33 +97,6 @@ def parse_routers(value: str) -> list[str]:
     return routers
 
 
-class RouterHealth:
-    """Which routers failed lately, shared by the streams of one client process.
-
-    A router that broke a stream or refused a call is passed over for
-    `down_for` seconds, doubling with each failure in a row up to
-    `max_down_for`; a stream it serves again clears it. New requests then
-    start at a live router instead of each paying a failed call first."""
-
-    def __init__(self, down_for: float = 1.0, max_down_for: float = 16.0):
-        self.down_for, self.max_down_for = down_for, max_down_for
-        self._down_until: dict[str, float] = {}
-        self._failures: dict[str, int] = {}
-
-    def failed(self, address: str) -> None:
-        n = self._failures.get(address, 0) + 1
-        self._failures[address] = n
-        self._down_until[address] = time.monotonic() + min(self.max_down_for, self.down_for * 2 ** (n - 1))
-
-    def served(self, address: str) -> None:
-        if address in self._failures:
-            del self._failures[address]
-            self._down_until.pop(address, None)
-
-    def usable(self, address: str) -> bool:
-        return self._down_until.get(address, 0.0) <= time.monotonic()
-
-
 class FailoverStream:
     """Streams one request from a list of routers: when a stream breaks
     (its router stopped, died or froze) it calls another router with the same
@@ -161,19 +134,8 @@ class FailoverStream:
         self.broken: list[str] = []   # how each attempt that broke ended (status names)
         self._rng = random.Random(self.request.request_id)
 
-    def _first(self) -> str:
-        return next((r for r in self.routers if self.health.usable(r)), self.routers[0])
-
-    def _after(self, failed: str) -> tuple[str, bool]:
-        """The router to try after `failed` broke, and whether to wait first."""
-        live = [r for r in self.routers if r != failed and self.health.usable(r)]
-        if live:
-            return self._rng.choice(live), False
-        nxt = self.routers[(self.routers.index(failed) + 1) % len(self.routers)]
-        return nxt, True
-
     async def __aiter__(self):
-        address = self._first()
+        address = self.health.first(self.routers)
         while True:
             try:
                 async for msg in self._attempt(address):
@@ -190,7 +152,7 @@ class FailoverStream:
             if len(self.broken) >= self.max_attempts:
                 raise RuntimeError(f"request {self.request.request_id}: {len(self.broken)} attempts "
                                    f"broke ({', '.join(self.broken[-3:])})")
-            address, wait = self._after(address)
+            address, wait = self.health.after(self.routers, address, self._rng)
             if wait:
                 await asyncio.sleep(self.retry_delay)
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 
 import grpc
 
 from common.pb.quadriga.v1 import replica_pb2 as pb
 from common.pb.quadriga.v1 import replica_pb2_grpc
+from common.router_health import RouterHealth
 from replica_worker.engine.errors import InvalidRequestError
 from replica_worker.worker import protocol
 from replica_worker.worker.coalescing import DeltaCoalescer
@@ -71,7 +73,9 @@ class ReplicaWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue | None = None  # the live stream's writer queue; None while away
         self._call = None
-        self._router_turn = 0
+        self._health = RouterHealth()
+        self._rng = random.Random(config.replica_id)
+        self._address: str | None = None   # the router dialled last
         self._last_report: EngineReport | None = None
         self._lease_ttl_s = 10.0
         self._heartbeat_s = 1.0
@@ -132,18 +136,22 @@ class ReplicaWorker:
                 await channel.close()
             if self._done.is_set():
                 return
+            self._health.failed(self._address)
             self._disconnected_at = self._disconnected_at or time.monotonic()
             self._expire_if_leases_lapsed()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.config.reconnect_max_s)
 
     def _next_router(self) -> str:
-        """The routers in turn: a stream that ended (its router gone, say) is re-dialled
-        at the next address, so a replica finds a live router among several."""
+        """The first router at first; after a stream ended (its router gone, say),
+        another not known to be down, drawn at random (common/router_health.py):
+        the replicas of a router that died spread over the others."""
         routers = self.config.routers
-        address = routers[self._router_turn % len(routers)]
-        self._router_turn += 1
-        return address
+        if self._address is None:
+            self._address = self._health.first(routers)
+        else:
+            self._address, _ = self._health.after(routers, self._address, self._rng)
+        return self._address
 
     def _channel(self) -> grpc.aio.Channel:
         # Pings every few seconds: a router that froze (its process stopped, the
@@ -285,6 +293,7 @@ class ReplicaWorker:
         raise ConnectionError(f"registration failed: {code}: {details}")
 
     def _on_registered(self, reg: pb.Registered) -> None:
+        self._health.served(self._address)
         self._last_heard = time.monotonic()
         self._lease_ttl_s = reg.lease_ttl_s or self._lease_ttl_s
         self._heartbeat_s = reg.heartbeat_interval_s or self._heartbeat_s

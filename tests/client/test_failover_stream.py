@@ -3,7 +3,6 @@ a stream that breaks is taken up elsewhere, the streams of a failed router
 spread over the others, and new streams pass a failed router over."""
 
 import asyncio
-import time
 
 import grpc
 
@@ -90,16 +89,6 @@ def test_streams_of_a_failed_router_spread_and_new_ones_pass_it_over(arun):
                 await server.stop(None)
 
     arun(scenario())
-
-
-def test_failures_in_a_row_pass_a_router_over_longer_until_it_serves():
-    health = RouterHealth(down_for=0.2)
-    health.failed("a:1")
-    health.failed("a:1")   # the second in a row: 0.4 s
-    time.sleep(0.25)
-    assert not health.usable("a:1") and health.usable("b:1")
-    health.served("a:1")
-    assert health.usable("a:1")
 
 
 def test_when_every_router_is_down_it_waits_and_cycles_in_order(arun):

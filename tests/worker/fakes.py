@@ -130,7 +130,8 @@ def assignment(rid: str, prompt=(1, 2, 3), max_tokens: int = 3, **sampling) -> p
 
 
 def make_worker(engine: FakeEngine, **config) -> ReplicaWorker:
-    cfg = WorkerConfig(router="127.0.0.1:1", model="m", replica_id="r0", model_name="m", **config)
+    cfg = WorkerConfig(**{"router": "127.0.0.1:1", "model": "m", "replica_id": "r0", "model_name": "m",
+                          **config})
     return ReplicaWorker(cfg, engine, pb.ReplicaCapacity(num_kv_blocks=16))
 
 

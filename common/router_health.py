@@ -1,0 +1,48 @@
+"""Which routers failed lately, for anything that dials one of several routers
+(a client following a stream, a replica worker): it starts at a router not
+known to be down, and after a failure moves to another drawn at random, so
+the streams of a router that died spread over all the others (taken in list
+order they would all land on the next one and double its load).
+
+A router that failed is passed over for `down_for` seconds, doubling with each
+failure in a row up to `max_down_for`; one that serves again is cleared.
+Not thread-safe: one owner per event loop.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+
+class RouterHealth:
+    def __init__(self, down_for: float = 1.0, max_down_for: float = 16.0):
+        self.down_for, self.max_down_for = down_for, max_down_for
+        self._down_until: dict[str, float] = {}
+        self._failures: dict[str, int] = {}
+
+    def failed(self, address: str) -> None:
+        n = self._failures.get(address, 0) + 1
+        self._failures[address] = n
+        self._down_until[address] = time.monotonic() + min(self.max_down_for, self.down_for * 2 ** (n - 1))
+
+    def served(self, address: str) -> None:
+        if address in self._failures:
+            del self._failures[address]
+            self._down_until.pop(address, None)
+
+    def usable(self, address: str) -> bool:
+        return self._down_until.get(address, 0.0) <= time.monotonic()
+
+    def first(self, routers: list[str]) -> str:
+        """The first router in the list not known to be down (the first, if all are)."""
+        return next((r for r in routers if self.usable(r)), routers[0])
+
+    def after(self, routers: list[str], failed: str, rng: random.Random) -> tuple[str, bool]:
+        """The router to try after `failed` failed, and whether to wait first:
+        one drawn at random among the others not known to be down, at once;
+        when every other one is, the next in list order, after a wait."""
+        live = [r for r in routers if r != failed and self.usable(r)]
+        if live:
+            return rng.choice(live), False
+        return routers[(routers.index(failed) + 1) % len(routers)], True

@@ -1,0 +1,52 @@
+"""common.router_health: which router to dial, for clients and replica workers."""
+
+import random
+import time
+from collections import Counter
+
+from common.router_health import RouterHealth
+from tests.worker.fakes import FakeEngine, make_worker
+
+ROUTERS = ["r0:1", "r1:1", "r2:1", "r3:1"]
+
+
+def test_failures_in_a_row_pass_a_router_over_longer_until_it_serves():
+    health = RouterHealth(down_for=0.2)
+    health.failed("r0:1")
+    health.failed("r0:1")   # the second in a row: 0.4 s
+    time.sleep(0.25)
+    assert not health.usable("r0:1") and health.usable("r1:1")
+    assert health.first(ROUTERS) == "r1:1"
+    health.served("r0:1")
+    assert health.usable("r0:1") and health.first(ROUTERS) == "r0:1"
+
+
+def test_after_a_failure_another_live_router_at_random_and_no_wait():
+    health = RouterHealth()
+    health.failed("r0:1")
+    picks = Counter()
+    for seed in range(300):
+        address, wait = health.after(ROUTERS, "r0:1", random.Random(seed))
+        assert not wait
+        picks[address] += 1
+    assert set(picks) == {"r1:1", "r2:1", "r3:1"}
+    assert min(picks.values()) > 60   # about 100 each; in list order all 300 would be r1
+
+
+def test_with_every_router_down_the_next_in_order_after_a_wait():
+    health = RouterHealth()
+    for r in ROUTERS:
+        health.failed(r)
+    assert health.after(ROUTERS, "r3:1", random.Random(0)) == ("r0:1", True)
+    single = ["only:1"]
+    assert health.after(single, "only:1", random.Random(0)) == ("only:1", True)
+
+
+def test_replicas_of_a_router_that_died_spread_over_the_others():
+    moved = Counter()
+    for i in range(40):
+        worker = make_worker(FakeEngine(), replica_id=f"sim{i}", router=",".join(ROUTERS))
+        assert worker._next_router() == "r0:1"
+        worker._health.failed("r0:1")   # what a broken session records
+        moved[worker._next_router()] += 1
+    assert set(moved) == {"r1:1", "r2:1", "r3:1"} and min(moved.values()) >= 5, moved
