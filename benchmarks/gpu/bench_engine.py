@@ -376,8 +376,13 @@ def main() -> None:
                     help="torch thread counts for the offline job, 0: torch's default")
     ap.add_argument("--hf-batches", default="256,384")
     ap.add_argument("--skip-unfused", action="store_true", help="leave out the A/B without fused kernels")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads for the whole run (0: torch's default); the offline job sets its own")
     args = ap.parse_args()
     OUT = Path(args.out)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    RESULTS["torch_threads"] = torch.get_num_threads()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     model_dir = write_llama31_8b_config(Path(tempfile.mkdtemp()) / "llama31-8b-shape")
     ceil = ceilings()
