@@ -301,6 +301,14 @@ class PullScheduler:
                 records = []
             for req, rec in zip(stale, records):
                 self.table.resync(req, rec)
+        limit = self.table.max_requeues
+        for req in taken:
+            # A router's own requeue fails a request at the limit (table.requeue);
+            # the sweep of a dead router's leases (lua_routers.SWEEP_INFLIGHT)
+            # counts the requeue without it, so the limit holds at the next pop.
+            if req.phase is Phase.RUNNING and req.requeues > limit:
+                self.table.fail(req, f"the request moved between replicas {req.requeues} times "
+                                     f"(more than --max-requeues {limit}); giving up")
         return [r for r in taken if r.phase is Phase.RUNNING and r.owner == session.id]
 
     def _record_picks(self, session, taken, reasons: dict | None) -> None:

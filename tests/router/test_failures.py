@@ -4,6 +4,7 @@ import asyncio
 
 import grpc
 import pytest
+import redis.asyncio
 
 from common.pb.quadriga.v1 import generation_pb2 as gpb
 from common.pb.quadriga.v1 import replica_pb2 as rpb
@@ -166,6 +167,52 @@ def test_concurrent_pulls_never_share_a_request(redis_url, tiny_model, arun):
                 assert tokens_of(msgs) == expected_tokens(p, 4, vocab)
             ids = [a.request_id for i in range(6) for a in reps[f"r{i}"].rec.assignments]
             assert len(ids) == len(set(ids)) == 120
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_a_request_moved_past_max_requeues_fails_with_a_clear_error(redis_url, tiny_model, arun):
+    """Each replica that takes it breaks its stream: the first break requeues
+    it (one requeue allowed), the second fails it, and the client is told why."""
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model, max_requeues=1)) as app:
+            reps = Replicas(app.address, app.limits.vocab_size)
+            async with client(app.address) as stub:
+                task = asyncio.create_task(collect(stub, request([3, 4], 50)))
+                first = await reps.add("first", step_delay=0.01, fail_after_steps=3)
+                await wait_until(lambda: first.steps >= 3)
+                second = await reps.add("second", step_delay=0.01, fail_after_steps=3)
+                msgs = await task
+            assert msgs[-1].finish_reason == gpb.FINISH_REASON_ERROR
+            assert "moved between replicas 1 times" in msgs[-1].error
+            assert [a.request_id for a in second.rec.assignments] == [msgs[-1].request_id]
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_a_request_swept_past_max_requeues_fails_at_its_next_pop(redis_url, tiny_model, arun):
+    """The sweep of a dead router's leases counts a requeue in Redis without
+    the limit; the router that pops the request next applies it."""
+    async def scenario():
+        config = make_config(redis_url, tiny_model, max_requeues=2)
+        async with running_router(config) as app:
+            reps = Replicas(app.address, app.limits.vocab_size)
+            replica = await reps.add("r", step_delay=0.01, auto_pull=False)   # takes nothing yet
+            async with client(app.address) as stub:
+                task = asyncio.create_task(collect(stub, request([3, 4], 8, request_id="swept")))
+                r = redis.asyncio.Redis.from_url(redis_url)
+                key = f"{config.redis_prefix}req:swept"
+                while not await r.exists(key):
+                    await asyncio.sleep(0.02)
+                await r.hset(key, "rq", 3)   # as three sweeps would have left it
+                await r.aclose()
+                replica.pull(1)
+                msgs = await task
+            assert msgs[-1].finish_reason == gpb.FINISH_REASON_ERROR
+            assert "moved between replicas 3 times" in msgs[-1].error
+            assert tokens_of(msgs) == []
             await reps.close()
 
     arun(scenario())
