@@ -75,20 +75,24 @@ def test_one_replica_exact_tokens_and_a_dead_rank_moves_its_work(live_stack, hf_
 
 def test_the_ranks_end_with_rank_zero(live_stack):
     stack = live_stack("pull")
-    tp = stack.start_replica("tp0", *TP)
+    # The three replicas start together (each start is most of this test's time).
+    for rid in ("tp0", "tp1", "tp2"):
+        stack.start_replica(rid, *TP, wait=False)
+    stack.wait_registered("tp0", "tp1", "tp2")
+    tp = stack.replicas["tp0"]
     rank1 = follower_pid(tp)
     tp.proc.send_signal(signal.SIGTERM)  # drain: nothing to finish, a clean exit
     assert tp.proc.wait(30) == 0
     wait_gone(rank1)
 
-    tp = stack.start_replica("tp1", *TP)
+    tp = stack.replicas["tp1"]
     rank0, rank1 = engine_pid(tp), follower_pid(tp)
     tp.proc.kill()  # the worker: its engine process (rank 0) sees the pipe close, and ends the ranks
     tp.proc.wait(10)
     wait_gone(rank0)
     wait_gone(rank1)
 
-    tp = stack.start_replica("tp2", *TP)
+    tp = stack.replicas["tp2"]
     rank0, rank1 = engine_pid(tp), follower_pid(tp)
     os.kill(rank0, signal.SIGKILL)  # rank 0 dies abruptly: rank 1 and the worker end with it
     wait_gone(rank1)
