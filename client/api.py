@@ -104,10 +104,11 @@ class FailoverStream:
     was delivered already is skipped, so the caller sees every token once, in
     order, with output_offset continuing. A request without a request_id gets one.
 
-    The first attempt goes to the first router in the list not known to be
-    down. After a break the next is drawn at random from the routers not known
-    to be down: the streams of a router that died spread over all the others
-    (in list order they would all land on the next one, doubling its load).
+    The first attempt goes to the first router in the list, or, when that one
+    is known to be down, to one drawn at random from the others not known to
+    be down; so does each attempt after a break. The streams of a router that
+    died, and the new requests meant for it, spread over all the others (in
+    list order they would all land on the next one, doubling its load).
     Only when every router is down does it wait retry_delay between attempts.
 
         async for msg in FailoverStream(["a:50051", "b:50051"], request): ...
@@ -135,7 +136,7 @@ class FailoverStream:
         self._rng = random.Random(self.request.request_id)
 
     async def __aiter__(self):
-        address = self.health.first(self.routers)
+        address = self.health.first(self.routers, self._rng)
         while True:
             try:
                 async for msg in self._attempt(address):

@@ -1,8 +1,10 @@
 """Which routers failed lately, for anything that dials one of several routers
-(a client following a stream, a replica worker): it starts at a router not
-known to be down, and after a failure moves to another drawn at random, so
-the streams of a router that died spread over all the others (taken in list
-order they would all land on the next one and double its load).
+(a client following a stream, a replica worker): it starts at its first
+router unless that one is known to be down, and otherwise, and after a
+failure, at another drawn at random among those not known to be down. So
+both the streams of a router that died and the new work meant for it spread
+over all the others (taken in list order they would all land on the next
+one and double its load).
 
 A router that failed is passed over for `down_for` seconds, doubling with each
 failure in a row up to `max_down_for`; one that serves again is cleared.
@@ -34,9 +36,15 @@ class RouterHealth:
     def usable(self, address: str) -> bool:
         return self._down_until.get(address, 0.0) <= time.monotonic()
 
-    def first(self, routers: list[str]) -> str:
-        """The first router in the list not known to be down (the first, if all are)."""
-        return next((r for r in routers if self.usable(r)), routers[0])
+    def first(self, routers: list[str], rng: random.Random | None = None) -> str:
+        """The first router in the list unless it is known to be down; then one
+        drawn at random among the others not known to be down (the first, if all
+        are). A client that starts each request at its own router keeps that
+        spread when one of them dies."""
+        if self.usable(routers[0]):
+            return routers[0]
+        live = [r for r in routers[1:] if self.usable(r)]
+        return (rng or random).choice(live) if live else routers[0]
 
     def after(self, routers: list[str], failed: str, rng: random.Random) -> tuple[str, bool]:
         """The router to try after `failed` failed, and whether to wait first:

@@ -143,12 +143,13 @@ class ReplicaWorker:
             backoff = min(backoff * 2, self.config.reconnect_max_s)
 
     def _next_router(self) -> str:
-        """The first router at first; after a stream ended (its router gone, say),
-        another not known to be down, drawn at random (common/router_health.py):
-        the replicas of a router that died spread over the others."""
+        """The first router at first (another drawn at random if it is known to be
+        down); after a stream ended (its router gone, say), another not known to be
+        down, drawn at random (common/router_health.py): the replicas of a router
+        that died spread over the others."""
         routers = self.config.routers
         if self._address is None:
-            self._address = self._health.first(routers)
+            self._address = self._health.first(routers, self._rng)
         else:
             self._address, _ = self._health.after(routers, self._address, self._rng)
         return self._address

@@ -16,9 +16,24 @@ def test_failures_in_a_row_pass_a_router_over_longer_until_it_serves():
     health.failed("r0:1")   # the second in a row: 0.4 s
     time.sleep(0.25)
     assert not health.usable("r0:1") and health.usable("r1:1")
-    assert health.first(ROUTERS) == "r1:1"
+    assert health.first(ROUTERS) != "r0:1"
     health.served("r0:1")
     assert health.usable("r0:1") and health.first(ROUTERS) == "r0:1"
+
+
+def test_new_work_meant_for_a_router_that_is_down_spreads_over_the_others():
+    # A load generator starts request i at router i mod 4: with r1 down, the
+    # requests meant for it must not all land on r2 (r2 would carry double).
+    health = RouterHealth()
+    health.failed("r1:1")
+    rng = random.Random(7)
+    picks = Counter()
+    for i in range(400):
+        order = ROUTERS[i % 4:] + ROUTERS[:i % 4]
+        picks[health.first(order, rng)] += 1
+    assert picks["r1:1"] == 0
+    assert all(90 < picks[r] < 180 for r in ("r0:1", "r2:1", "r3:1")), picks   # 133 each; in order r2 gets 200
+    assert health.first(ROUTERS[2:] + ROUTERS[:2], rng) == "r2:1"   # a live first router keeps its work
 
 
 def test_after_a_failure_another_live_router_at_random_and_no_wait():
