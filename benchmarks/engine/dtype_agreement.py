@@ -1,6 +1,7 @@
-"""How far bfloat16 greedy output follows float32, for the engine and for
+"""How far bfloat16 and fp8 greedy output follow float32, for the engine and for
 transformers itself, on a real model: the engine's bf16 agreement means
-something only beside transformers' own.
+something only beside transformers' own. fp8 (quantization="fp8") is also
+set against the engine's own bf16, and its logit error measured alone.
 
     python -m benchmarks.engine.dtype_agreement [--model .cache/models/smollm2]
         [--requests 32] [--output-len 64] [--threads 2]
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import save_result
+from replica_worker.engine.model.fp8 import emulate_in_transformers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,11 +81,11 @@ def logits_on(model, prompts, sequences) -> list[torch.Tensor]:
     return out
 
 
-def engine_side(model_dir: str, prompts, dtype: str, n_out: int) -> list[list[int]]:
+def engine_side(model_dir: str, prompts, dtype: str, n_out: int, quantization=None) -> list[list[int]]:
     from replica_worker import LLM, SamplingParams
 
     llm = LLM(model_dir, dtype=dtype, scheduler="sarathi", chunk_size=2048, max_num_seqs=len(prompts),
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, quantization=quantization)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs]
 
@@ -111,12 +113,23 @@ def main(argv=None) -> int:
     bf16_logits = logits_on(hf_bf16_model, prompts, reference)
     diffs = torch.cat([(a - b).abs().flatten() for a, b in zip(ref_logits, bf16_logits)]).numpy()
     spans = [float((a.max(-1).values - a.min(-1).values).mean()) for a in ref_logits]
-    del ref_model, hf_bf16_model
+    del hf_bf16_model
+    fp8_logits = logits_on(emulate_in_transformers(ref_model), prompts, reference)
+    fp8_diffs = torch.cat([(a - b).abs().flatten() for a, b in zip(ref_logits, fp8_logits)]).numpy()
+    del ref_model
+    engine_bf16 = engine_side(args.model, prompts, "bfloat16", args.output_len)
+    engine_fp8_bf16 = engine_side(args.model, prompts, "bfloat16", args.output_len, "fp8")
     sides = {
         "transformers_bfloat16": agreement(hf_bf16, reference),
         "engine_float32": agreement(engine_side(args.model, prompts, "float32", args.output_len), reference),
-        "engine_bfloat16": agreement(engine_side(args.model, prompts, "bfloat16", args.output_len), reference),
+        "engine_bfloat16": agreement(engine_bf16, reference),
+        "engine_fp8_float32": agreement(engine_side(args.model, prompts, "float32", args.output_len, "fp8"),
+                                        reference),
+        "engine_fp8_bfloat16": agreement(engine_fp8_bf16, reference),
     }
+    fp8_against_bf16 = agreement(engine_fp8_bf16, engine_bf16)
+    print(f"engine fp8 (bf16) against engine bf16: {fp8_against_bf16['share_of_tokens_before_first_divergence']:.1%} "
+          f"of tokens before the first divergence", flush=True)
     for name, side in sides.items():
         print(f"{name:24s} {side['share_of_tokens_before_first_divergence']:.1%} of tokens before the "
               f"first divergence from float32 transformers; {side['sequences_equal']}/{side['sequences']} "
@@ -129,6 +142,15 @@ def main(argv=None) -> int:
             "p50": float(np.percentile(diffs, 50)), "p99": float(np.percentile(diffs, 99)),
             "max": float(diffs.max()), "mean_logit_range": float(np.mean(spans)),
             "note": "transformers bf16 against float32 logits, teacher-forced on the float32 outputs"},
+        "engine_fp8_bfloat16_against_engine_bfloat16": fp8_against_bf16,
+        "fp8_logit_abs_diff": {
+            "p50": float(np.percentile(fp8_diffs, 50)), "p99": float(np.percentile(fp8_diffs, 99)),
+            "max": float(fp8_diffs.max()),
+            "note": "transformers float32 with the fp8 scheme emulated (fp8.emulate_in_transformers: "
+                    "e4m3 weights per channel, inputs per token) against plain float32 logits, "
+                    "teacher-forced on the float32 outputs: fp8's error alone, no bf16 in it"},
+        "fp8_on_the_cpu": "the engine emulates the fp8 matmul in float32 (then rounds to its dtype); "
+                          "on CUDA _scaled_mm computes the same products (tests/engine/test_fp8_cuda.py)",
         "seconds": time.perf_counter() - t0,
     }
     print({k: v for k, v in result["transformers_bf16_logit_abs_diff"].items() if k != "note"})

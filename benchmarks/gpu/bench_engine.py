@@ -15,6 +15,8 @@ Measures, in one process, each section guarded so one failure leaves the others:
              output tokens/s (no tokenizer in the folder: no detokenization, so labelled)
   hf         transformers' generate on the same 1000-request job, timed whole at each batch
              size; the engine's greedy rate over its best is printed
+  *_fp8      with --fp8: startup, decode, prefill and offline again with fp8 weights
+             (quantization="fp8"); decode's limit then counts the fp8 weight bytes
   decode_unfused  when fused kernels ran (QUADRIGA_FUSED_OPS, default Triton): batch 1 and 32
              decode again with them off (QUADRIGA_FUSED_OPS=0), an A/B in the same process
 Prints as it goes; the JSON at --out is rewritten after every section.
@@ -140,11 +142,12 @@ def ceilings():
     return r
 
 
-def startup(model_dir: str, max_num_seqs: int, chunk: int, holder: dict):
+def startup(model_dir: str, max_num_seqs: int, chunk: int, holder: dict, quantization: str | None = None):
     torch.cuda.synchronize()
     t = time.perf_counter()
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=10240,
-              scheduler="sarathi", chunk_size=chunk, max_num_seqs=max_num_seqs, gpu_memory_utilization=0.9)
+              scheduler="sarathi", chunk_size=chunk, max_num_seqs=max_num_seqs, gpu_memory_utilization=0.9,
+              quantization=quantization)
     torch.cuda.synchronize()
     total = time.perf_counter() - t
     runner = llm.engine.runner
@@ -156,7 +159,8 @@ def startup(model_dir: str, max_num_seqs: int, chunk: int, holder: dict):
         "graph_buckets": runner.graphs.buckets if runner.graphs else None,
         "num_kv_blocks": runner.num_blocks,
         "kv_cache_GiB": runner.num_blocks * runner.bytes_per_block / 2**30,
-        "weights_GiB": sum(p.numel() * p.element_size() for p in runner.model.parameters()) / 2**30,
+        "weights_GiB": runner.model.weight_nbytes() / 2**30,
+        "quantization": quantization,
         "note": "dummy weights are generated on the GPU; a real checkpoint adds its read time",
     }
     print(r)
@@ -182,7 +186,7 @@ def decode(holder: dict, batches, ceil: dict, steps: int, profile: bool):
     bs = runner.block_size
     blocks_per_seq = -(-(CTX + 1) // bs)
     _fill_kv(runner, min(runner.num_blocks, max(batches) * blocks_per_seq))
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weight_bytes = runner.model.weight_nbytes()
     embed = runner.model.embed_tokens.weight
     embed_bytes = embed.numel() * embed.element_size()
     bw = ceil.get("copy_bandwidth_TBps", 4.3) * 1e12
@@ -229,7 +233,6 @@ def decode(holder: dict, batches, ceil: dict, steps: int, profile: bool):
     return r
 
 
-@section("prefill")
 def prefill(holder: dict, lengths, ceil: dict, profile: bool):
     runner = holder["llm"].engine.runner
     s = runner.model.shape
@@ -289,7 +292,6 @@ GREEDY = dict(temperature=0.0)
 SEEDED = dict(temperature=0.8, top_p=0.95, top_k=50)
 
 
-@section("offline")
 def offline(holder: dict, num: int, n_in: int, n_out: int, threads: list[int]):
     """The same job, greedy and sampled with a seed per request, at each torch
     thread count in `threads` (0: torch's default here), sides interleaved."""
@@ -364,6 +366,20 @@ def hf_baseline(model_dir: str, batches, num: int, n_in: int, n_out: int):
                       f"{num} prompts in waves of `batch`, timed whole after one warm-up call per batch size"}
 
 
+def measure_engine(holder: dict, ceil: dict, args, suffix: str) -> None:
+    """decode, prefill and offline (sections named with suffix) of the engine in
+    holder, if it started; then frees it."""
+    if "llm" in holder:
+        section("decode" + suffix)(decode)(holder, [1, 8, 32, 128, 256], ceil, 30, True)
+        section("prefill" + suffix)(prefill)(holder, [512, 2048, 8192], ceil, not suffix)
+        if not args.skip_offline:
+            section("offline" + suffix)(offline)(holder, args.requests, 1024, 256,
+                                                 [int(t) for t in args.offline_threads.split(",")])
+    holder.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     global OUT
     ap = argparse.ArgumentParser()
@@ -376,6 +392,8 @@ def main() -> None:
                     help="torch thread counts for the offline job, 0: torch's default")
     ap.add_argument("--hf-batches", default="256,384")
     ap.add_argument("--skip-unfused", action="store_true", help="leave out the A/B without fused kernels")
+    ap.add_argument("--fp8", action="store_true",
+                    help="then startup, decode, prefill and offline again with quantization fp8")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads for the whole run (0: torch's default); the offline job sets its own")
     args = ap.parse_args()
@@ -391,7 +409,7 @@ def main() -> None:
         section("startup")(startup)(str(model_dir), 8, 2048, holder)
         if "llm" in holder:
             section("decode")(decode)(holder, [1, 8], ceil, 10, True)
-            prefill(holder, [512, 2048], ceil, False)
+            section("prefill")(prefill)(holder, [512, 2048], ceil, False)
         return
     section("startup")(startup)(str(model_dir), 256, 8192, holder)
     if "llm" not in holder:  # the fused kernels failed to build or load: measure without them
@@ -403,13 +421,10 @@ def main() -> None:
         fused = holder["llm"].engine.runner.model.fused
         RESULTS["fused_ops"] = None if fused is None else fused.__name__
         print(f"fused ops: {RESULTS['fused_ops']}", flush=True)
-        section("decode")(decode)(holder, [1, 8, 32, 128, 256], ceil, 30, True)
-        prefill(holder, [512, 2048, 8192], ceil, True)
-        if not args.skip_offline:
-            offline(holder, args.requests, 1024, 256, [int(t) for t in args.offline_threads.split(",")])
-    holder.clear()
-    gc.collect()
-    torch.cuda.empty_cache()
+    measure_engine(holder, ceil, args, "")
+    if args.fp8:   # the same sections with fp8 weights, in the same process
+        section("startup_fp8")(startup)(str(model_dir), 256, 8192, holder, "fp8")
+        measure_engine(holder, ceil, args, "_fp8")
     if RESULTS.get("fused_ops") and not args.skip_unfused:  # the same decode steps without the fused norm/rope/SwiGLU kernels
         os.environ["QUADRIGA_FUSED_OPS"] = "0"
         section("startup_unfused")(startup)(str(model_dir), 32, 2048, holder)

@@ -19,6 +19,8 @@ class ModelConfig:
 
     load_format "dummy" fills weights with random values of the configured shape;
     the folder then needs only config.json (and a tokenizer to detokenize).
+    quantization "fp8" stores the decoder's projections in e4m3 after loading
+    (model/fp8.py); None keeps the dtype's weights.
     """
 
     model: str
@@ -26,11 +28,13 @@ class ModelConfig:
     load_format: str = "auto"  # "auto" (safetensors) or "dummy"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0  # dummy weights
+    quantization: str | None = None  # "fp8": decoder projections in e4m3 (model/fp8.py)
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
+        _require(self.quantization in (None, "fp8"), f"quantization must be 'fp8' or None, got {self.quantization!r}")
 
 
 @dataclass(frozen=True)

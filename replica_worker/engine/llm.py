@@ -19,7 +19,7 @@ from replica_worker.engine.outputs import CompletionOutput, RequestDelta, Reques
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.sequence import Sequence
 
-_MODEL_KEYS = {"dtype", "load_format", "max_model_len", "seed"}
+_MODEL_KEYS = {"dtype", "load_format", "max_model_len", "seed", "quantization"}
 _CACHE_KEYS = {"block_size", "num_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "watermark",
                "enable_prefix_caching"}
 _PARALLEL_KEYS = {"tensor_parallel_size"}

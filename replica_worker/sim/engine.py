@@ -35,7 +35,7 @@ def simulated_engine_config(profile: Profile, scheduler: str = "sarathi", **engi
     block_size = kwargs.setdefault("block_size", profile.block_size)
     kwargs.setdefault("num_blocks", profile.num_kv_blocks * profile.block_size // block_size)
     kwargs.setdefault("max_model_len", profile.max_model_len)
-    for model_only in ("dtype", "load_format", "seed", "gpu_memory_utilization", "kv_cache_memory_bytes"):
+    for model_only in ("dtype", "load_format", "seed", "quantization", "gpu_memory_utilization", "kv_cache_memory_bytes"):
         kwargs.pop(model_only, None)
     return engine_config(f"simulated:{profile.name}", scheduler=scheduler, **kwargs)
 

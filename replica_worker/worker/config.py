@@ -90,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", 16)))
     p.add_argument("--dtype", default=_env("DTYPE"), help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--load-format", default=_env("LOAD_FORMAT", "auto"), choices=("auto", "dummy"))
+    p.add_argument("--quantization", default=_env("QUANTIZATION", "") or None, choices=("fp8",),
+                   help="fp8: decoder weights in e4m3 with per-channel scales, inputs quantized per "
+                        "token (CUDA, compute capability 8.9+; emulated on the CPU). Default: none")
     p.add_argument("--gpu-memory-utilization", type=float, default=float(_env("GPU_MEMORY_UTILIZATION", 0.9)))
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached KV blocks of shared prefixes")
     p.add_argument("--tensor-parallel-size", type=int, default=int(_env("TENSOR_PARALLEL_SIZE", 1)),
@@ -112,6 +115,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         "max_num_seqs": a.max_num_seqs,
         "block_size": a.block_size,
         "load_format": a.load_format,
+        "quantization": a.quantization,
         "gpu_memory_utilization": a.gpu_memory_utilization,
         "enable_prefix_caching": not a.no_prefix_caching,
         "tensor_parallel_size": a.tensor_parallel_size,

@@ -7,6 +7,11 @@ import transformers
 def hf_greedy(path: str, prompts: list[list[int]], max_new: int, **config_overrides) -> list[list[int]]:
     """Each prompt's greedy continuation (float32, no EOS stop), the prompt cut off."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **config_overrides)
+    return greedy_of(hf, prompts, max_new)
+
+
+def greedy_of(hf, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """hf_greedy on a model already loaded (and changed, say)."""
     outs = []
     for prompt in prompts:
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,

@@ -136,3 +136,30 @@ def test_fused_forward_matches_the_torch_forward(tiny_model_factory, arch):
     assert (out - ref).abs().max() <= 0.05 * scale, ((out - ref).abs().max(), scale)
     for a, b in zip(cache.layers, ref_cache.layers):
         assert (a.float() - b.float()).abs().max() <= 0.05 * b.float().abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,cols", [(1, 256), (5, 4096), (3, 1000)])
+def test_quantize_rows_fp8(dtype, rows, cols):
+    from replica_worker.engine.model.fp8 import FP8_MAX, quantize_rows
+
+    g = torch.Generator().manual_seed(rows * cols)
+    x = (torch.randn(rows, cols, generator=g) * 5).to(dtype)
+    x[0, :7] = 0.0
+    q, s = ops.quantize_rows_fp8(x.to(DEV), FP8_MAX, 1e-12)
+    q_ref, s_ref = quantize_rows(x)
+    torch.testing.assert_close(s.cpu(), s_ref, rtol=0, atol=0)
+    if DEV == "cuda":   # the interpreter's fp32 -> e4m3 cast is not the hardware's (-125.7 became -64)
+        assert torch.equal(q.cpu().float(), q_ref.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_scale_rows_and_cols(dtype, with_bias):
+    g = torch.Generator().manual_seed(3)
+    y = (torch.randn(5, 1500, generator=g) * 100).to(dtype)
+    rs, cs = torch.rand(5, 1, generator=g), torch.rand(1, 1500, generator=g)
+    bias = torch.randn(1500, generator=g).to(dtype) if with_bias else None
+    want = y.float() * rs * cs + (bias.float() if with_bias else 0)
+    got = ops.scale_rows_and_cols_(y.to(DEV), rs.to(DEV), cs.to(DEV), None if bias is None else bias.to(DEV))
+    _close(got.cpu(), want.to(dtype), dtype)

@@ -261,6 +261,23 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits [S, vocab] for the (already selected) sampling rows, on every rank."""
         return self.lm_head(hidden)
 
+    def weight_nbytes(self) -> int:
+        """Bytes of weights held, fp8 projections (with their scales) included."""
+        held = sum(p.numel() * p.element_size() for p in self.parameters())
+        for module in self.modules():
+            fp8 = getattr(module, "fp8", None)
+            if fp8 is not None:
+                held += sum(t.numel() * t.element_size() for t in (fp8.weight, fp8.scale))
+        return held
+
+    def quantize_fp8(self) -> None:
+        """Every decoder projection to fp8 weights (model/fp8.py), layer by layer, so at
+        most one layer's weights are held twice; embedding, norms and head stay."""
+        for layer in self.layers:
+            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                         layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                proj.quantize_fp8()
+
     def weight_modules(self) -> list[nn.Module]:
         """Every module holding checkpoint weights, in the order dummy weights are drawn
         (the order of the parameters before they were sharded modules, so that a seed

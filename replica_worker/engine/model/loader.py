@@ -23,6 +23,7 @@ import torch
 from replica_worker.engine.attention import AttentionBackend
 from replica_worker.engine.config import ModelConfig
 from replica_worker.engine.distributed.group import SINGLE_RANK, TensorGroup
+from replica_worker.engine.model.fp8 import check_device
 from replica_worker.engine.model.llama import LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,12 +78,17 @@ def get_model(
     hf_config = hf_config or load_hf_config(model_config.model)
     with model_context(DTYPES[model_config.dtype], device):
         model = LlamaForCausalLM(hf_config, backend, max_positions, group)
+    if model_config.quantization == "fp8":
+        check_device(device)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the full-sized draws, or the KV sizing counts them as used
     else:
         load_safetensors(model, Path(model_config.model))
+    if model_config.quantization == "fp8":
+        with torch.no_grad():
+            model.quantize_fp8()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # dummy draws, bf16 weights replaced: else the KV sizing counts them as used
     return model.eval()
 
 

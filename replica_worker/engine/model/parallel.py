@@ -17,6 +17,8 @@ indexed). `init_dummy` draws the full-sized tensor with the seeded generator, th
 keeps the rank's share, so every tensor-parallel size holds the same dummy model.
 
 At size 1 a shard is the whole weight and forward is the plain op, nothing more.
+A projection quantized to fp8 (`quantize_fp8`, after loading) keeps its shard's
+weight in e4m3 with per-output-channel scales (model/fp8.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replica_worker.engine.distributed.group import TensorGroup
+from replica_worker.engine.model.fp8 import Fp8Weight
 
 
 def empty_param(*shape: int) -> nn.Parameter:
@@ -101,7 +104,24 @@ class RowSlice:
         return cls(part, full_rows, rank * rows, rows)
 
 
-class ColumnParallelLinear(nn.Module):
+class _Linear(nn.Module):
+    """A projection whose weight may be quantized to fp8 once loaded (model/fp8.py):
+    then `fp8` holds it and `weight` is gone, so the bf16 copy's memory is freed."""
+
+    fp8: Fp8Weight | None = None
+    bias: nn.Parameter | None
+
+    def quantize_fp8(self) -> None:
+        self.fp8 = Fp8Weight(self.weight.data)
+        del self.weight
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8.linear(x, self.bias, x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(_Linear):
     def __init__(self, in_features: int, slices: list[RowSlice], bias: bool) -> None:
         super().__init__()
         self.in_features = in_features
@@ -114,7 +134,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = empty_param(offset) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x)
 
     def expected_loads(self) -> set[tuple[str, str]]:
         kinds = ("weight", "bias") if self.bias is not None else ("weight",)
@@ -142,7 +162,7 @@ class ColumnParallelLinear(nn.Module):
                 offset += s.full_rows
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Linear):
     """Input features [start, start + in_features / size) on this rank (no bias)."""
 
     def __init__(self, in_features: int, out_features: int, start: int, group: TensorGroup) -> None:
@@ -152,9 +172,10 @@ class RowParallelLinear(nn.Module):
         self.group = group
         self.reduce = group.size > 1
         self.weight = empty_param(out_features, in_features // group.size)
+        self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self.matmul(x)
         return self.group.all_reduce(out) if self.reduce else out
 
     def expected_loads(self) -> set[tuple[str, str]]:

@@ -1,5 +1,6 @@
-"""Triton kernels for the decoder's small steps: residual add + RMSNorm, SiLU(gate) * up
-and rotary embedding of q and k, each one kernel.
+"""Triton kernels for the decoder's small steps: residual add + RMSNorm, SiLU(gate) * up,
+rotary embedding of q and k, and (fp8 only) a matmul input's per-token quantization,
+each one kernel.
 
 Plain torch runs these as ~40 small kernels per layer (fp32 RMSNorm alone is six or
 seven), which at batch-1 decode cost more than the attention, and at prefill the
@@ -126,6 +127,31 @@ if triton is not None:
         _rope_heads(k_ptr + t * k_stride, k_out + t * (n_k * 2 * HALF), n_k, c, s, d, dmask, HALF, BK)
 
 
+    @triton.jit
+    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, x_stride, n_cols, fp8_max, min_amax, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        # Correctly rounded divisions, as torch's: plain `/` lowers to an approximate one.
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), min_amax), fp8_max)
+        q = tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max)
+        tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row, scale)
+
+
+    @triton.jit
+    def _scale_out_kernel(y_ptr, sx_ptr, sw_ptr, b_ptr, n_cols, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        y = tl.load(y_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y * tl.load(sx_ptr + row) * tl.load(sw_ptr + cols, mask=mask, other=0.0)
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def _warps(block: int) -> int:
     # ~8 elements (16 bytes of bf16) per thread.
     return max(1, min(16, block // 256))
@@ -171,6 +197,38 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x2, out, x2.stride(0), n, n, BLOCK=block, num_warps=_warps(block),
     )
     return out
+
+
+def quantize_rows_fp8(x: torch.Tensor, fp8_max: float, min_amax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (unit stride along K) -> (e4m3 [T, K], float32 scales [T, 1]), row by
+    row as fp8.quantize_rows defines it, in one kernel."""
+    rows, n = x.shape
+    q = torch.empty((rows, n), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, scale
+    assert x.stride(-1) == 1
+    block = triton.next_power_of_2(n)
+    _quant_rows_kernel[(rows,)](x, q, scale, x.stride(0), n, fp8_max, min_amax, BLOCK=block,
+                                num_warps=_warps(block))
+    return q, scale
+
+
+def scale_rows_and_cols_(y: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """In place: y[i, j] = y[i, j] * row_scale[i] * col_scale[j] (+ bias[j]), in fp32,
+    rounded once to y's dtype. y [T, N] contiguous; row_scale [T] or [T, 1], col_scale
+    [N] or [1, N], float32."""
+    rows, n = y.shape
+    if y.numel() == 0:
+        return y
+    assert y.is_contiguous()
+    block = min(1024, triton.next_power_of_2(n))
+    _scale_out_kernel[(rows, triton.cdiv(n, block))](
+        y, row_scale, col_scale, bias if bias is not None else y, n,
+        HAS_BIAS=bias is not None, BLOCK=block, num_warps=_warps(block),
+    )
+    return y
 
 
 def apply_rope_with_cos_sin_cache(positions, query, key, head_size: int, cos_sin_cache, is_neox: bool = True):
