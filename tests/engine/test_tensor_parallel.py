@@ -107,6 +107,52 @@ def test_dummy_weights_are_the_same_model_at_any_size(tmp_path):
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY)] == single
 
 
+def _fp8_at_two_ranks(path):
+    """transformers computing what a 2-rank fp8 engine computes: the scheme
+    (fp8.emulate_in_transformers) on every projection, except that o_proj and
+    down_proj, split by input features, quantize each half of their weight rows
+    and of their inputs on its own, and sum the two products (the all-reduce)."""
+    import torch
+    import torch.nn.functional as F
+
+    from replica_worker.engine.model.fp8 import emulate_in_transformers, quantize_rows
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    split = {}
+    for name, module in hf.named_modules():
+        if name.rsplit(".", 1)[-1] in ("o_proj", "down_proj"):
+            k = module.weight.shape[1] // 2
+            halves = [quantize_rows(module.weight.detach()[:, r * k:(r + 1) * k]) for r in range(2)]
+            split[name] = (module, k, [q.float() * sc for q, sc in halves])
+    emulate_in_transformers(hf)
+    for module, k, weights in split.values():
+        module._forward_pre_hooks.clear()
+
+        def forward(x, k=k, weights=weights):
+            out = None
+            for r in range(2):
+                q, sc = quantize_rows(x[..., r * k:(r + 1) * k].reshape(-1, k))
+                y = F.linear((q.float() * sc).reshape(*x.shape[:-1], k), weights[r])
+                out = y if out is None else out + y
+            return out
+
+        module.forward = forward
+    return hf
+
+
+def test_fp8_weights_on_every_rank(tiny_model_factory):
+    # Token-exact against the 2-rank scheme: it holds only if rank 1 quantized its
+    # shards too (a row-parallel shard's scales cover its slice of the inputs).
+    from tests.engine.hf_reference import greedy_of
+
+    path = tiny_model_factory("llama3")
+    reference = greedy_of(_fp8_at_two_ranks(path), PROMPTS, MAX_NEW)
+    with tp_llm(path, quantization="fp8", **TIGHT) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        assert not hasattr(llm.engine.runner.model.layers[0].mlp.down_proj, "weight")
+
+
 def test_a_model_that_does_not_split_is_refused_before_any_process_starts(tmp_path):
     path = _dummy_config(tmp_path, num_attention_heads=6, num_key_value_heads=3, head_dim=16, hidden_size=96)
     with pytest.raises(ValueError, match="num_key_value_heads 3 is not divisible by tensor_parallel_size 2"):
