@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM
 
 from benchmarks.common import save_result
 from replica_worker.engine.model.fp8 import emulate_in_transformers
@@ -58,7 +59,6 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
 
 
 def transformers_side(model_dir: str, prompts, dtype, n_out: int):
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     outs = []
@@ -79,6 +79,13 @@ def logits_on(model, prompts, sequences) -> list[torch.Tensor]:
             ids = torch.tensor([p + s[:-1]])
             out.append(model(input_ids=ids).logits[0, len(p) - 1:].float())
     return out
+
+
+def logit_error(reference: list[torch.Tensor], other: list[torch.Tensor]) -> dict:
+    diffs = torch.cat([(a - b).abs().flatten() for a, b in zip(reference, other)]).numpy()
+    top1 = torch.cat([a.argmax(-1) == b.argmax(-1) for a, b in zip(reference, other)]).float().mean()
+    return {"p50": float(np.percentile(diffs, 50)), "p99": float(np.percentile(diffs, 99)),
+            "max": float(diffs.max()), "top1_agreement": float(top1)}
 
 
 def engine_side(model_dir: str, prompts, dtype: str, n_out: int, quantization=None) -> list[list[int]]:
@@ -111,12 +118,14 @@ def main(argv=None) -> int:
     hf_bf16_model, hf_bf16 = transformers_side(args.model, prompts, torch.bfloat16, args.output_len)
     ref_logits = logits_on(ref_model, prompts, reference)
     bf16_logits = logits_on(hf_bf16_model, prompts, reference)
-    diffs = torch.cat([(a - b).abs().flatten() for a, b in zip(ref_logits, bf16_logits)]).numpy()
+    bf16_error = logit_error(ref_logits, bf16_logits)
     spans = [float((a.max(-1).values - a.min(-1).values).mean()) for a in ref_logits]
-    del hf_bf16_model
-    fp8_logits = logits_on(emulate_in_transformers(ref_model), prompts, reference)
-    fp8_diffs = torch.cat([(a - b).abs().flatten() for a, b in zip(ref_logits, fp8_logits)]).numpy()
-    del ref_model
+    del hf_bf16_model, ref_model
+    # fp8's error alone (float32 otherwise), and from its weights and its inputs apart.
+    fp8_error = {part: logit_error(ref_logits, logits_on(
+        emulate_in_transformers(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval(),
+                                weights=part != "inputs_only", inputs=part != "weights_only"),
+        prompts, reference)) for part in ("weights_and_inputs", "weights_only", "inputs_only")}
     engine_bf16 = engine_side(args.model, prompts, "bfloat16", args.output_len)
     engine_fp8_bf16 = engine_side(args.model, prompts, "bfloat16", args.output_len, "fp8")
     sides = {
@@ -139,21 +148,22 @@ def main(argv=None) -> int:
         "threads": args.threads, "reference": "transformers, float32, greedy, EOS kept in the argmax",
         "sides": sides,
         "transformers_bf16_logit_abs_diff": {
-            "p50": float(np.percentile(diffs, 50)), "p99": float(np.percentile(diffs, 99)),
-            "max": float(diffs.max()), "mean_logit_range": float(np.mean(spans)),
+            **bf16_error, "mean_logit_range": float(np.mean(spans)),
             "note": "transformers bf16 against float32 logits, teacher-forced on the float32 outputs"},
         "engine_fp8_bfloat16_against_engine_bfloat16": fp8_against_bf16,
         "fp8_logit_abs_diff": {
-            "p50": float(np.percentile(fp8_diffs, 50)), "p99": float(np.percentile(fp8_diffs, 99)),
-            "max": float(fp8_diffs.max()),
+            **fp8_error["weights_and_inputs"],
+            "weights_only": fp8_error["weights_only"], "inputs_only": fp8_error["inputs_only"],
             "note": "transformers float32 with the fp8 scheme emulated (fp8.emulate_in_transformers: "
-                    "e4m3 weights per channel, inputs per token) against plain float32 logits, "
-                    "teacher-forced on the float32 outputs: fp8's error alone, no bf16 in it"},
+                    "e4m3 weights per channel, inputs per token; or one half of it) against plain "
+                    "float32 logits, teacher-forced on the float32 outputs: fp8's error alone, no bf16 "
+                    "in it. top1_agreement: the share of positions whose argmax is the same"},
         "fp8_on_the_cpu": "the engine emulates the fp8 matmul in float32 (then rounds to its dtype); "
                           "on CUDA _scaled_mm computes the same products (tests/engine/test_fp8_cuda.py)",
         "seconds": time.perf_counter() - t0,
     }
-    print({k: v for k, v in result["transformers_bf16_logit_abs_diff"].items() if k != "note"})
+    print("bf16 logit error", {k: v for k, v in result["transformers_bf16_logit_abs_diff"].items() if k != "note"})
+    print("fp8 logit error", fp8_error)
     print(f"wrote {save_result(args.name, result)}")
     return 0
 

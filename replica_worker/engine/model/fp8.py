@@ -51,11 +51,12 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 @torch.no_grad()
-def emulate_in_transformers(model: torch.nn.Module) -> torch.nn.Module:
+def emulate_in_transformers(model: torch.nn.Module, weights: bool = True, inputs: bool = True) -> torch.nn.Module:
     """Makes a transformers Llama-family model compute what this scheme computes, in
     its own dtype: each decoder projection's weight replaced by its dequantized fp8
     value, and its input quantized and dequantized per token by a forward pre-hook.
-    The reference the fp8 engine is tested and measured against."""
+    The reference the fp8 engine is tested and measured against. weights / inputs
+    False leave that half out (to measure where the error comes from)."""
 
     def quantize_input(module, args):
         q, s = quantize_rows(args[0].reshape(-1, args[0].shape[-1]))
@@ -63,9 +64,11 @@ def emulate_in_transformers(model: torch.nn.Module) -> torch.nn.Module:
 
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in PROJECTIONS:
-            q, s = quantize_rows(module.weight)
-            module.weight.copy_(q.float() * s)
-            module.register_forward_pre_hook(quantize_input)
+            if weights:
+                q, s = quantize_rows(module.weight)
+                module.weight.copy_(q.float() * s)
+            if inputs:
+                module.register_forward_pre_hook(quantize_input)
     return model
 
 
