@@ -31,12 +31,13 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 128, 129, 300])   # both sides of TENSORWISE_MAX_TOKENS
 def test_scaled_mm_equals_the_emulated_product(rows):
+    dtype = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(rows)
-    w = torch.randn(768, 512, device="cuda", generator=g).to(torch.bfloat16)
-    x = torch.randn(rows, 512, device="cuda", generator=g).to(torch.bfloat16)
-    bias = torch.randn(768, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(768, 512, device="cuda", generator=g).to(dtype)
+    x = torch.randn(rows, 512, device="cuda", generator=g).to(dtype)
+    bias = torch.randn(768, device="cuda", generator=g).to(dtype)
     layer = Fp8Weight(w)
-    got = layer.linear(x, bias, torch.bfloat16).float()
+    got = layer.linear(x, bias, dtype).float()
     qx, sx = quantize_rows(x)
     want = (qx.float() * sx) @ (layer.weight.float() * layer.scale.t()).t() + bias.float()
     # The same products summed in another order, rounded once to bf16.
@@ -70,3 +71,8 @@ def test_fp8_graphs_match_eager(model_dir):
     # flips early tokens (5% agreed on the H200); benchmarks/engine/dtype_agreement.py
     # measures the agreement on a real model.
     print(f"\nfp8 vs bf16 (tiny random model): {rate:.1%} of tokens before the first divergence")
+
+
+def test_fp8_on_cuda_refuses_a_float16_model(model_dir):
+    with pytest.raises(ValueError, match="runs bfloat16 models"):
+        LLM(model_dir, device="cuda", dtype="float16", quantization="fp8", **ENGINE)

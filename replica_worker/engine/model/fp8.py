@@ -72,10 +72,16 @@ def emulate_in_transformers(model: torch.nn.Module, weights: bool = True, inputs
     return model
 
 
-def check_device(device: torch.device) -> None:
-    """Raises ValueError where fp8 matmuls cannot run (CPU is emulated, allowed)."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+def check_device(device: torch.device, dtype: torch.dtype) -> None:
+    """Raises ValueError where fp8 matmuls cannot run (the CPU emulates them, any dtype)."""
+    if device.type != "cuda":
+        return
+    if torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError("quantization fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper)")
+    if dtype != torch.bfloat16:
+        # Row-wise scaled matmuls write bf16 only, and the unit-scale path's unscaled
+        # product (up to 448 * 448 * in_features) is past float16's range.
+        raise ValueError(f"quantization fp8 on CUDA runs bfloat16 models; dtype is {dtype}")
 
 
 class Fp8Weight:

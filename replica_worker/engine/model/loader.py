@@ -76,10 +76,10 @@ def get_model(
 ) -> LlamaForCausalLM:
     device = torch.device(device)
     hf_config = hf_config or load_hf_config(model_config.model)
+    if model_config.quantization == "fp8":
+        check_device(device, DTYPES[model_config.dtype])
     with model_context(DTYPES[model_config.dtype], device):
         model = LlamaForCausalLM(hf_config, backend, max_positions, group)
-    if model_config.quantization == "fp8":
-        check_device(device)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
     else:
