@@ -10,15 +10,15 @@ The scheme (W8A8, scales computed by the engine, none read from the checkpoint):
 - The product is dequantized by both scales: y = (x_q * s_x) @ (w_q * s_w)^T.
 - The embedding, the norms and the output head stay in the model's dtype.
 
-On CUDA (compute capability 8.9 and up) the product is one `torch._scaled_mm`:
-with row-wise scales for large steps, and for small ones (decode) with unit
-scales followed by one Triton pass that applies both scale vectors, which
-cuBLASLt's kernels make faster there. The input's quantization is one Triton
-kernel where triton imports. Elsewhere (the CPU) the same arithmetic is emulated in float32, which is
-what tests check the engine against (`quantize_rows` is the definition); it is for
-correctness, not speed. Under tensor parallelism a row-parallel projection's
-scales cover the rank's input slice only, so sizes 1 and 2 round slightly
-differently.
+On CUDA (compute capability 8.9 and up, bfloat16 models) the product is one
+`torch._scaled_mm`: with row-wise scales for large steps, and for small ones
+(decode) with unit scales followed by one Triton pass that applies both scale
+vectors, which cuBLASLt's kernels make faster there. The input's quantization is
+one Triton kernel where triton imports. Elsewhere (the CPU) the same arithmetic
+is emulated in float32, which is what tests check the engine against
+(`quantize_rows` is the definition); it is for correctness, not speed. Under
+tensor parallelism a row-parallel projection's scales cover the rank's input
+slice only, so sizes 1 and 2 round slightly differently.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ import torch.nn.functional as F
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _MIN_AMAX = 1e-12  # an all-zero row gets a tiny scale, not a division by zero
-
-QUANTIZATIONS = ("fp8",)
 
 # Up to this many tokens a step's fp8 matmul runs with unit scalar scales and the
 # scales applied after: on the H200 that read the weights at 2.2-2.7 TB/s against
