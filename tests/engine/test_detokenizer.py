@@ -112,3 +112,36 @@ def test_stop_strings_unchecked_before_min_tokens_then_only_new_ones_match(token
             break
     # Unchecked text is neither held back nor matched; the "ab"s sent before are never matched later.
     assert sent == "ab the end ab x " and hits[-1] and hits.count(True) == 1
+
+
+def test_the_fast_path_decodes_as_transformers_does(tokenizer, smollm2_model):
+    from replica_worker.engine.detokenizer import ids_to_text
+
+    for tok in (tokenizer, load_tokenizer(str(smollm2_model))):
+        assert tok.backend_tokenizer is not None and not tok.clean_up_tokenization_spaces
+        fast = ids_to_text(tok)
+        rng = random.Random(1)
+        text_ids = tok.encode(TEXT, add_special_tokens=False)
+        special = sorted(tok.all_special_ids)
+        for n in range(200):
+            ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 12))]
+            if n % 3 == 0:   # real text cut anywhere, special tokens mixed in
+                a = rng.randrange(len(text_ids))
+                ids = text_ids[a:a + rng.randint(1, 9)] + [rng.choice(special)]
+            assert fast(ids) == tok.decode(ids, skip_special_tokens=True), ids
+
+
+def test_transformers_decode_is_kept_where_it_would_clean_up_spaces(tokenizer):
+    from replica_worker.engine.detokenizer import ids_to_text
+
+    class Wrapped:   # the fast tokenizer, and a decode that says it ran
+        def __init__(self, clean_up):
+            self.backend_tokenizer = tokenizer.backend_tokenizer
+            self.clean_up_tokenization_spaces = clean_up
+
+        def decode(self, ids, skip_special_tokens):
+            return "transformers"
+
+    ids = tokenizer.encode("a , b", add_special_tokens=False)
+    assert ids_to_text(Wrapped(clean_up=True))(ids) == "transformers"
+    assert ids_to_text(Wrapped(clean_up=False))(ids) == tokenizer.decode(ids, skip_special_tokens=True)
