@@ -33,12 +33,18 @@ def corpus_ids(tokenizer, sequences: int, tokens: int) -> list[list[int]]:
     return [ids[i * stride:i * stride + tokens] for i in range(sequences)]
 
 
+class TransformersDecodeOnly:
+    """The tokenizer with its fast backend hidden, so the detokenizer falls back to
+    transformers' decode (detokenizer.ids_to_text), as it did before."""
+
+    def __init__(self, tokenizer) -> None:
+        self.decode = tokenizer.decode
+
+
 def run(tokenizer, seqs: list[list[int]], via_transformers: bool) -> tuple[float, list[str]]:
     outs = [[] for _ in seqs]
-    detoks = [IncrementalDetokenizer(tokenizer, out, ("\n\n\n",)) for out in outs]
-    if via_transformers:
-        for d in detoks:
-            d._to_text = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    tok = TransformersDecodeOnly(tokenizer) if via_transformers else tokenizer
+    detoks = [IncrementalDetokenizer(tok, out, ("\n\n\n",)) for out in outs]
     texts = ["" for _ in seqs]
     start = time.perf_counter()
     for step in range(len(seqs[0])):

@@ -10,7 +10,6 @@ string when one matched).
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Callable
 
 # Tokens kept before the read position so that decoding the window sees the
@@ -19,12 +18,11 @@ _CONTEXT_TOKENS = 6
 _REPLACEMENT = "\ufffd"
 
 
-@lru_cache(maxsize=8)
 def ids_to_text(tokenizer) -> Callable[[list[int]], str]:
     """tokenizer.decode(ids, skip_special_tokens=True), as one call into the fast
     tokenizer where that gives the same text. transformers' decode wraps that call
     in type checks and list conversions, paid twice per token of every sequence: a
-    detokenizer step took 8.2 us a token through it and 4.4 us direct on SmolLM2's
+    detokenizer step took 8.7 us a token through it and 4.7 us direct on SmolLM2's
     tokenizer (benchmarks/engine/detokenize_bench.py). Where transformers would
     also clean up spaces, or there is no fast tokenizer, its decode it is."""
     backend = getattr(tokenizer, "backend_tokenizer", None)

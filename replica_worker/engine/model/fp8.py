@@ -96,17 +96,19 @@ class Fp8Weight:
         self.scale = scale.reshape(1, out_features).contiguous()
         # The scalar scale of the small-step path, made here, not while a CUDA graph captures.
         self._one = torch.ones((), dtype=torch.float32, device=weight.device)
+        self._ops = _triton_ops() if weight.is_cuda else None   # looked up once, not per matmul
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.is_cuda:
-            q, s = _quantize_tokens_cuda(x2)
-            if x2.shape[0] <= TENSORWISE_MAX_TOKENS and _triton_ops() is not None:
+            ops = self._ops
+            q, s = ops.quantize_rows_fp8(x2, FP8_MAX, _MIN_AMAX) if ops is not None else quantize_rows(x2)
+            if x2.shape[0] <= TENSORWISE_MAX_TOKENS and ops is not None:
                 # Unit scalar scales (cuBLASLt's fp8 kernels), then both scale vectors in one pass.
                 out = torch._scaled_mm(q, self.weight.t(), scale_a=self._one, scale_b=self._one,
                                        out_dtype=out_dtype)
-                out = _triton_ops().scale_rows_and_cols_(out, s, self.scale, bias)
+                out = ops.scale_rows_and_cols_(out, s, self.scale, bias)
                 return out.reshape(*shape[:-1], out.shape[-1])
             out = torch._scaled_mm(q, self.weight.t(), scale_a=s, scale_b=self.scale, out_dtype=out_dtype)
         else:
@@ -122,8 +124,3 @@ def _triton_ops():
     from replica_worker.engine.model import triton_ops
 
     return triton_ops if triton_ops.available() else None
-
-
-def _quantize_tokens_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    ops = _triton_ops()
-    return ops.quantize_rows_fp8(x, FP8_MAX, _MIN_AMAX) if ops is not None else quantize_rows(x)
