@@ -7,7 +7,10 @@ over all the others (taken in list order they would all land on the next
 one and double its load).
 
 A router that failed is passed over for `down_for` seconds, doubling with each
-failure in a row up to `max_down_for`; one that serves again is cleared.
+failure in a row up to `max_down_for`; one that serves again is cleared. Shared
+by many streams, one death is many failures in a row (every stream it broke), so
+a process passes a dead router over for the longest time at once; the failover
+runs of benchmarks/router/NOTES.md measured that behaviour.
 Not thread-safe: one owner per event loop.
 """
 
