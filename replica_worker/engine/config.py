@@ -104,9 +104,14 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" or "cuda"
     enable_cuda_graphs: bool = True  # CUDA only: decode-only steps replay captured graphs
     parallel: ParallelConfig = ParallelConfig()
+    # Schedule and prepare the next step while the device runs this one (core.py).
+    # None: on for CUDA, off for the CPU (where host and "device" are the same cores).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _require(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), f"device must be cpu or cuda, got {self.device!r}")
+        _require(not (self.async_scheduling and self.parallel.tensor_parallel_size > 1),
+                 "async scheduling needs tensor_parallel_size 1: the other ranks take token ids from rank 0's host")
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineConfig":
@@ -118,4 +123,5 @@ class EngineConfig:
             device=d["device"],
             enable_cuda_graphs=d["enable_cuda_graphs"],
             parallel=ParallelConfig(**d["parallel"]),
+            async_scheduling=d.get("async_scheduling"),
         )

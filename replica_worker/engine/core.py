@@ -2,6 +2,19 @@
 
 A worker drives it with add_request / abort_request / step; admission_capacity
 says how much more it can take right now (what the worker asks the router for).
+
+A step is launched, then resolved. Launching schedules it, queues it on the
+device and advances its sequences at once: computed tokens move on, and each
+sampled token is appended as a placeholder (sequence.py). Resolving reads the
+sampled ids back, fills the placeholders, caches the step's full blocks, and
+applies stop conditions and detokenization. With async scheduling (on CUDA by
+default) a step's resolution waits until the next step is launched, so the
+host's scheduling and input preparation run while the device computes, and
+the next step reads the tokens it needs from the device. The costs: a sequence
+that stops on a token (EOS, a stop string) runs one step more, whose row is
+dropped; one whose last token is in flight (max_tokens, the model's length)
+is not scheduled again. Rows with penalties need their counts on the host, so
+while such a request runs, steps resolve before the next is scheduled.
 The prefix cache's counters, events and snapshot (prefix_cache_stats,
 take_kv_events, cached_block_hashes, block_hasher) let a router mirror it.
 Not thread-safe: one thread owns an EngineCore.
@@ -10,6 +23,7 @@ Not thread-safe: one thread owns an EngineCore.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from common.block_hash import BlockHasher
 from replica_worker.engine.config import EngineConfig
@@ -18,7 +32,7 @@ from replica_worker.engine.kv_events import KVCacheEvents, PrefixCacheStats
 from replica_worker.engine.model_runner import ModelRunner
 from replica_worker.engine.output_text import OutputTexts
 from replica_worker.engine.outputs import DeltaStats, EngineLoad, RequestDelta, StepResult, TokenLogprobs
-from replica_worker.engine.sampler import SamplerOutput
+from replica_worker.engine.sampler import SampledBatch, SamplerOutput
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.schedulers import make_scheduler
 from replica_worker.engine.schedulers.base import AdmissionCapacity, ScheduledChunk
@@ -33,6 +47,20 @@ def _eos_ids(*sources) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return frozenset(ids)
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device whose sampled ids are not read yet."""
+
+    chunks: list[ScheduledChunk]
+    samples: list[bool]  # per chunk: it samples a token (read before launching advanced it)
+    sampled: SampledBatch | SamplerOutput | None  # a runner without launch() gives host ids
+
+    def token_ids(self) -> SamplerOutput:
+        if isinstance(self.sampled, SampledBatch):
+            return self.sampled.to_host()
+        return self.sampled or SamplerOutput([])
 
 
 class EngineCore:
@@ -64,6 +92,15 @@ class EngineCore:
         )
         self._texts = OutputTexts(tokenizer) if tokenizer is not None else None
         self._step_id = 0
+        self._in_flight: _Launched | None = None
+        async_scheduling = config.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = config.device != "cpu"
+        # Tensor-parallel ranks take token ids from rank 0's host; runners without
+        # launch() (simulated ones) return host ids at once.
+        self._async = bool(async_scheduling) and self._tensor_parallel is None and hasattr(self.runner, "launch")
+        # Requests whose sampling reads their earlier tokens on the host (penalties).
+        self._needs_resolved_tokens: set[str] = set()
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -93,6 +130,8 @@ class EngineCore:
         )
         if self._texts is not None:
             self._texts.add(request_id, seq.output_token_ids, params, resume_text_len)
+        if params.uses_penalties:
+            self._needs_resolved_tokens.add(request_id)
         self.scheduler.add_seq(seq)
         return seq
 
@@ -131,25 +170,43 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> bool:
         seq = self.scheduler.abort_seq(request_id)
-        self._forget_text(request_id)
+        self._forget(request_id)
         if seq is not None:
-            self.runner.release(seq)
+            self.runner.release(seq)  # a row of it still in flight is dropped when resolved
         return seq is not None
 
     # ---- the step ----
+    @property
+    def async_scheduling(self) -> bool:
+        return self._async
+
+    def set_async_scheduling(self, on: bool) -> None:
+        """Turns async scheduling on or off between steps (side-by-side runs)."""
+        if self._in_flight is not None:
+            raise RuntimeError("a step is in flight: switch between steps with nothing running")
+        if on and (self._tensor_parallel is not None or not hasattr(self.runner, "launch")):
+            raise ValueError("async scheduling needs a single-rank engine whose runner has launch()")
+        self._async = bool(on)
+
     def step(self) -> StepResult:
+        """Launches the next step; returns the deltas of the step resolved meanwhile
+        (this one, or with async scheduling the one before it)."""
         start = time.perf_counter()
         self._step_id += 1
+        deltas: list[RequestDelta] = []
+        if self._in_flight is not None and self._needs_resolved_tokens:
+            deltas.extend(self._resolve(self._take_in_flight()))
         out = self.scheduler.schedule()
-        deltas = [self._ignored_delta(seq) for seq in out.ignored]
-        if out.chunks:
-            try:
-                sampled = self.runner.execute(out.chunks)
-            except BaseException:
-                # The other ranks may be inside this step's collectives: no later step could pair with them.
-                self._abort_ranks("a step failed on rank 0")
-                raise
-            deltas.extend(self._apply(out.chunks, sampled))
+        deltas.extend(self._ignored_delta(seq) for seq in out.ignored)
+        launched = self._launch(out.chunks) if out.chunks else None
+        if self._in_flight is not None:
+            deltas.extend(self._resolve(self._take_in_flight()))
+        if launched is not None:
+            if self._async:
+                self._in_flight = launched
+                self._hold_last_tokens(launched)
+            else:
+                deltas.extend(self._resolve(launched))
         return StepResult(
             deltas=deltas,
             batch_size=len(out.chunks),
@@ -158,23 +215,62 @@ class EngineCore:
             step_time=time.perf_counter() - start,
         )
 
-    def _apply(self, chunks: list[ScheduledChunk], sampled: SamplerOutput) -> list[RequestDelta]:
+    def _launch(self, chunks: list[ScheduledChunk]) -> _Launched:
+        samples = [c.samples for c in chunks]  # before num_computed_tokens moves
+        previous = self._in_flight.sampled if self._in_flight is not None else None
+        try:
+            if hasattr(self.runner, "launch"):
+                sampled = self.runner.launch(chunks, previous if isinstance(previous, SampledBatch) else None)
+            else:
+                sampled = self.runner.execute(chunks)
+        except BaseException:
+            # The other ranks may be inside this step's collectives: no later step could pair with them.
+            self._abort_ranks("a step failed on rank 0")
+            # The step in flight is dropped: its tokens were never reported, and whoever
+            # goes on (the worker hands everything back) recomputes from what was.
+            self._in_flight = None
+            raise
+        row = 0
+        for chunk, sampling in zip(chunks, samples):
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            if sampling:
+                seq.append_placeholder(row)
+                row += 1
+        return _Launched(chunks, samples, sampled)
+
+    def _take_in_flight(self) -> _Launched:
+        launched, self._in_flight = self._in_flight, None
+        return launched
+
+    def _hold_last_tokens(self, launched: _Launched) -> None:
+        """A sequence whose token in flight is its last is not scheduled again."""
+        for chunk, sampling in zip(launched.chunks, launched.samples):
+            seq = chunk.seq
+            if sampling and not seq.is_finished and self._length_reached(seq, seq.num_output_tokens, seq.num_tokens):
+                seq.last_token_in_flight = True
+
+    def _resolve(self, launched: _Launched) -> list[RequestDelta]:
+        sampled = launched.token_ids()
         now = time.time()
         deltas = []
         row = 0
-        for chunk in chunks:
+        for chunk, sampling in zip(launched.chunks, launched.samples):
             seq = chunk.seq
-            samples = chunk.samples  # read before advancing num_computed_tokens
-            seq.num_computed_tokens += chunk.num_tokens
-            self.scheduler.cache_computed(seq)
-            if not samples:
+            if sampling:
+                row += 1
+            if seq.is_finished:  # aborted, or stopped by the token before (its row is dropped)
                 continue
-            token = sampled.token_ids[row]
-            logprobs = sampled.logprobs[row] if sampled.logprobs is not None else None
-            row += 1
-            offset = seq.num_output_tokens
-            seq.append_token(token, now)
+            if not sampling:
+                self.scheduler.cache_computed(seq)
+                continue
+            token = sampled.token_ids[row - 1]
+            logprobs = sampled.logprobs[row - 1] if sampled.logprobs is not None else None
+            offset = len(seq.output_token_ids)
+            seq.resolve_placeholder(token, now)
+            self.scheduler.cache_computed(seq)  # every computed token is known now
             deltas.append(self._delta_after_token(seq, token, logprobs, offset, now))
+            assert seq.is_finished or not seq.last_token_in_flight, f"{seq} held back but not finished"
         return deltas
 
     def _delta_after_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None,
@@ -182,7 +278,7 @@ class EngineCore:
         status = self._stop_status(seq, token)
         text = ""
         if self._texts is not None:
-            text, stop_string_hit = self._texts.step(seq.seq_id, seq.num_output_tokens, final=status is not None)
+            text, stop_string_hit = self._texts.step(seq.seq_id, len(seq.output_token_ids), final=status is not None)
             if stop_string_hit:
                 status = SequenceStatus.FINISHED_STOPPED
         delta = RequestDelta(seq.seq_id, [token], text, offset, stats=DeltaStats.of(seq, 1),
@@ -193,31 +289,37 @@ class EngineCore:
         return delta
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        """After `token` was resolved (later placeholders, if any, do not count)."""
         params = seq.sampling_params
+        num_output = len(seq.output_token_ids)
         # Before min_tokens the sampler masks EOS and stop ids; this keeps the rule if one slipped through.
-        if seq.num_output_tokens > params.min_tokens:
+        if num_output > params.min_tokens:
             if not params.ignore_eos and token in self._eos_token_ids:
                 return SequenceStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
                 return SequenceStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.max_model_len:
+        if self._length_reached(seq, num_output, seq.num_prompt_tokens + num_output):
             return SequenceStatus.FINISHED_LENGTH
         return None
 
+    def _length_reached(self, seq: Sequence, num_output: int, num_tokens: int) -> bool:
+        max_tokens = seq.sampling_params.max_tokens
+        return (max_tokens is not None and num_output >= max_tokens) or num_tokens >= self.max_model_len
+
     def _finish(self, seq: Sequence, status: SequenceStatus, now: float) -> None:
+        seq.drop_placeholders()  # a step launched after this token computed past the end
         seq.finish(status, now)
         self.scheduler.free_finished(seq)
         self.runner.release(seq)
-        self._forget_text(seq.seq_id)
+        self._forget(seq.seq_id)
 
-    def _forget_text(self, request_id: str) -> None:
+    def _forget(self, request_id: str) -> None:
+        self._needs_resolved_tokens.discard(request_id)
         if self._texts is not None:
             self._texts.remove(request_id)
 
     def _ignored_delta(self, seq: Sequence) -> RequestDelta:
-        self._forget_text(seq.seq_id)
+        self._forget(seq.seq_id)
         return RequestDelta(
             seq.seq_id, [], "", seq.num_output_tokens, finish_reason="error",
             error="request can never be scheduled on this replica (too long for its KV cache)",
@@ -246,7 +348,7 @@ class EngineCore:
 
     # ---- what the worker asks ----
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     def admission_capacity(self) -> AdmissionCapacity:
         return self.scheduler.admission_capacity()

@@ -8,8 +8,8 @@ positions, slots) plus the backend's fixed-size decode buffers; a step copies
 its inputs into them, pads the batch to the bucket (padding rows write to and
 read from the cache's scratch block), re-plans the bucket's decode wrapper
 and replays. The sampler takes the graph's logits and its argmax, which is
-the whole answer when every row is plain greedy. The step's one host sync
-stays the read of the sampled ids (and logprobs).
+the whole answer when every row is plain greedy. The step's one device-to-host
+copy, of the sampled ids (and logprobs), is the runner's (model_runner.launch).
 
 Under tensor parallelism the graphs hold the layers' all-reduces and the logits'
 all-gather (NCCL collectives are captured like kernels). Every rank captures the
@@ -29,10 +29,11 @@ import numpy as np
 import torch
 
 from replica_worker.engine.attention import build_attention_metadata
-from replica_worker.engine.sampler import SamplerOutput
+from replica_worker.engine.step_batch import fill_placeholders
 
 if TYPE_CHECKING:
     from replica_worker.engine.model_runner import ModelRunner
+    from replica_worker.engine.sampler import SampledBatch
     from replica_worker.engine.step_batch import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -133,14 +134,18 @@ class DecodeGraphs:
     def bucket_for(self, batch: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
-    def execute(self, batch: "StepBatch", rows: list | None) -> SamplerOutput:
+    def execute(self, batch: "StepBatch", rows: list | None,
+                fill_from: torch.Tensor | None = None) -> "SampledBatch | None":
         """batch: decode-only, at most max_batch sequences; rows: the sequences of its
-        sample_rows, in order; None (a rank other than 0): replay only."""
+        sample_rows, in order; None (a rank other than 0): replay only. fill_from:
+        the in-flight step's sampled ids, when batch has placeholders."""
         n = batch.num_seqs
         b = self.bucket_for(n)
         g = self.graphs[b]
         md, positions, input_ids = self._padded_metadata(batch.num_computed, batch.block_ids, batch.token_ids, b)
         with torch.inference_mode():
+            if batch.has_placeholders:
+                input_ids = fill_placeholders(input_ids, fill_from)
             self.input_ids[:b].copy_(input_ids)
             self.positions[:b].copy_(positions)
             self.slots[:b].copy_(md.slot_mapping)
@@ -149,10 +154,12 @@ class DecodeGraphs:
             self.replays += 1
             sampling = batch.sample_rows  # one token per sequence: row k is sequence k
             if rows is None or not len(sampling):
-                return SamplerOutput([])
+                return None
             logits, argmax = g.logits[:n], g.greedy[:n]
             if len(sampling) != n:
                 idx = torch.from_numpy(sampling).to(logits.device)
                 logits, argmax = logits[idx], argmax[idx]
-            # The sampler may overwrite the graph's logits: the next replay rewrites them.
-            return self.runner.sampler(logits, rows, argmax=argmax).to_host()  # the step's one host sync
+            # The sampler may overwrite the graph's logits, and plain greedy returns the
+            # graph's own argmax buffer: the next replay rewrites both, after (on the
+            # same stream) this step's copy to the host and any placeholder fill.
+            return self.runner.sampler(logits, rows, argmax=argmax)

@@ -30,7 +30,8 @@ _SCHEDULER_KEYS = {
 
 
 def engine_config(model: str, scheduler: str = "sarathi", device: str = "cpu",
-                  enable_cuda_graphs: bool = True, **kwargs) -> EngineConfig:
+                  enable_cuda_graphs: bool = True, async_scheduling: bool | None = None,
+                  **kwargs) -> EngineConfig:
     """Builds an EngineConfig from flat keyword arguments (as LLM takes them)."""
     unknown = set(kwargs) - _MODEL_KEYS - _CACHE_KEYS - _SCHEDULER_KEYS - _PARALLEL_KEYS
     if unknown:
@@ -43,6 +44,7 @@ def engine_config(model: str, scheduler: str = "sarathi", device: str = "cpu",
         device=device,
         enable_cuda_graphs=enable_cuda_graphs,
         parallel=ParallelConfig(**pick(_PARALLEL_KEYS)),
+        async_scheduling=async_scheduling,
     )
 
 

@@ -7,8 +7,9 @@ into blocks seq.block_ids that already cover them. The KV cache holds tokens
 one token. The runner never modifies sequences; the engine advances them.
 
 Host work per step: one pass over the chunks to build the inputs and the
-attention metadata, and one device-to-host sync (the sampled ids, with any
-logprobs). Nothing host-side runs per layer except inside the plain torch
+attention metadata, and one device-to-host copy (the sampled ids, with any
+logprobs), which launch() starts without waiting for it: the engine may
+queue the next step first (core.py), its placeholders filled on the device. Nothing host-side runs per layer except inside the plain torch
 backend. The sampling rows are the sequences themselves: the sampler reads
 their settings and output index, and their token lists only when it builds
 a penalty row's counts (sampler.py, penalty_state.py).
@@ -42,7 +43,7 @@ from replica_worker.engine.model.parallel import head_shard
 from replica_worker.engine.sampler import Sampler, SampledBatch, SamplerOutput
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.sequence import Sequence
-from replica_worker.engine.step_batch import Chunk, ChunkLike, StepBatch, batch_of
+from replica_worker.engine.step_batch import Chunk, ChunkLike, StepBatch, batch_of, fill_placeholders
 
 logger = logging.getLogger(__name__)
 
@@ -151,24 +152,36 @@ class ModelRunner:
 
     # ---- one step ----
     def execute(self, chunks: list[ChunkLike]) -> SamplerOutput:
-        """Sampled token ids (and logprobs), one per chunk that samples, in chunk order."""
+        """Sampled token ids (and logprobs), one per chunk that samples, in chunk order.
+        Waits for the step."""
+        sampled = self.launch(chunks)
+        return SamplerOutput([]) if sampled is None else sampled.to_host()
+
+    def launch(self, chunks: list[ChunkLike], previous: SampledBatch | None = None) -> SampledBatch | None:
+        """Queues the step on the device and returns its sampled batch, its copy to
+        the host under way (None when no chunk samples). previous: the step still
+        in flight, whose sampled ids fill this step's placeholders on the device."""
         if not chunks:
-            return SamplerOutput([])
+            return None
         batch, sampling = batch_of(chunks, self.max_model_len)
         seqs = [chunks[i].seq for i in sampling]
         if self.ranks is not None:
+            if batch.has_placeholders:
+                raise ValueError("tensor-parallel ranks receive token ids from the host: resolve placeholders first")
             self.ranks.steps.publish(batch)
-        return self.run_batch(batch, seqs)
+        sampled = self.run_batch(batch, seqs, previous)
+        return None if sampled is None else sampled.start_copy()
 
-    def run_batch(self, batch: StepBatch, seqs: list[Sequence] | None) -> SamplerOutput:
+    def run_batch(self, batch: StepBatch, seqs: list[Sequence] | None,
+                  previous: SampledBatch | None = None) -> SampledBatch | None:
         """Runs the step; seqs (the sampling rows' sequences) None on a rank other than
         0, which computes the logits, for their collective, and samples nothing."""
+        fill_from = previous.token_ids_device if previous is not None and batch.has_placeholders else None
         if self.graphs is not None and batch.decode_only and batch.num_seqs <= self.graphs.max_batch:
-            return self.graphs.execute(batch, seqs)
-        inputs = self.inputs_for(batch)
+            return self.graphs.execute(batch, seqs, fill_from)
+        inputs = self.inputs_for(batch, fill_from)
         with torch.inference_mode():
-            sampled = self._run(inputs, self.kv_cache.layers, seqs)
-            return SamplerOutput([]) if sampled is None else sampled.to_host()  # the step's one host sync
+            return self._run(inputs, self.kv_cache.layers, seqs)
 
     def _run(self, inputs: StepInputs, kv_caches: list[torch.Tensor],
              seqs: list[Sequence] | None) -> SampledBatch | None:
@@ -182,7 +195,8 @@ class ModelRunner:
     def prepare_inputs(self, chunks: list[ChunkLike]) -> StepInputs:
         return self.inputs_for(batch_of(chunks, self.max_model_len)[0])
 
-    def inputs_for(self, batch: StepBatch) -> StepInputs:
+    def inputs_for(self, batch: StepBatch, fill_from: torch.Tensor | None = None) -> StepInputs:
+        """fill_from: the in-flight step's sampled ids, when batch has placeholders."""
         md, positions, (input_ids, logits_indices) = build_attention_metadata(
             batch.num_computed,
             batch.num_tokens,
@@ -192,6 +206,8 @@ class ModelRunner:
             self.device,
             extra=(batch.token_ids, batch.sample_rows),
         )
+        if batch.has_placeholders:
+            input_ids = fill_placeholders(input_ids, fill_from)
         return StepInputs(input_ids, positions, md, logits_indices)
 
     # ---- KV cache sizing on CUDA ----

@@ -77,10 +77,31 @@ class SampledBatch:
     logprob_rows: np.ndarray  # rows that asked for logprobs, in order
     logprob_k: np.ndarray  # each such row's k
     width: int  # K
+    _host: torch.Tensor | None = field(default=None, repr=False)  # pinned copy under way
+    _copied: object = field(default=None, repr=False)  # the CUDA event that marks its end
+
+    @property
+    def token_ids_device(self) -> torch.Tensor:
+        """[S] the sampled ids, on the device (what a next step's placeholders read)."""
+        return self.packed[: self.num_rows]
+
+    def start_copy(self) -> "SampledBatch":
+        """Starts the device-to-host copy without waiting for it (on CUDA: into
+        pinned memory, behind the step's kernels); to_host() waits for it."""
+        if self.packed.is_cuda and self._host is None:
+            self._host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
+            self._host.copy_(self.packed, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return self
 
     def to_host(self) -> SamplerOutput:
-        """The step's one device-to-host copy."""
-        flat = self.packed.cpu().numpy()
+        """The step's one device-to-host copy (waits for the step)."""
+        if self._host is not None:
+            self._copied.synchronize()
+            flat = self._host.numpy()
+        else:
+            flat = self.packed.cpu().numpy()
         ids = flat[: self.num_rows].tolist()
         if not len(self.logprob_rows):
             return SamplerOutput(ids)

@@ -5,6 +5,16 @@ A step schedules a chunk of the uncomputed tokens; when a chunk reaches the
 last known token the runner samples one more, which is appended to the
 output. Prefill, chunked prefill, decode and recompute after preemption are
 all the same thing: computed tokens catching up with known tokens.
+
+Placeholders. A sampled token is first appended as a placeholder, before its
+value is back on the host (the engine schedules the next step meanwhile:
+core.py). token_ids holds it as placeholder_code(row), a negative number naming
+its row in the step that samples it; output_token_ids holds only resolved
+tokens. At most one step's placeholder is unresolved when a step is scheduled,
+and only ever as the last token (resolve_placeholder fills the oldest first).
+num_tokens and num_output_tokens count placeholders: they are what scheduling
+and sampling see. Readers of token values (the prefix cache's hashes, the
+detokenizer) only read tokens before the last, or output_token_ids.
 """
 
 from __future__ import annotations
@@ -14,6 +24,11 @@ import time
 from dataclasses import dataclass, field
 
 from replica_worker.engine.sampling_params import SamplingParams
+
+
+def placeholder_code(row: int) -> int:
+    """How token_ids holds the token sampled in row `row` of a step still in flight."""
+    return -1 - row
 
 
 class SequenceStatus(enum.Enum):
@@ -71,6 +86,11 @@ class Sequence:
         # they stay valid for the sequence's life, preemptions included.
         self.block_hashes: list[int] = []
         self.num_preemptions = 0
+        # Tokens sampled whose values are not back yet (their codes end token_ids).
+        self.num_placeholders = 0
+        # Set by the engine when the token in flight is the last one the request
+        # can have (max_tokens or the model's length): nothing more is scheduled.
+        self.last_token_in_flight = False
         self.times = SequenceTimes(arrival=time.time() if arrival_time is None else arrival_time)
 
     # ---- token bookkeeping ----
@@ -89,11 +109,12 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        """Output tokens sampled, placeholders included: the output index of the next."""
+        return len(self.output_token_ids) + self.num_placeholders
 
     @property
     def num_new_output_tokens(self) -> int:
-        """Output tokens generated on this replica (not resumed)."""
+        """Resolved output tokens generated on this replica (not resumed)."""
         return len(self.output_token_ids) - self.num_resumed_tokens
 
     @property
@@ -106,12 +127,38 @@ class Sequence:
 
         A preempted sequence is back in prefill: its whole context is recomputed.
         """
-        return self.num_uncomputed_tokens > 1 or not self.output_token_ids
+        return self.num_uncomputed_tokens > 1 or self.num_output_tokens == 0
 
     def append_token(self, token_id: int, now: float | None = None) -> None:
+        """Appends a known token (with no placeholder pending)."""
+        assert not self.num_placeholders, f"{self} appends past a placeholder"
+        self._token_ids.append(token_id)
+        self._record_output(token_id, now)
+
+    def append_placeholder(self, row: int) -> None:
+        """The token sampled in row `row` of the step just launched."""
+        self._token_ids.append(placeholder_code(row))
+        self.num_placeholders += 1
+
+    def resolve_placeholder(self, token_id: int, now: float | None = None) -> None:
+        """The oldest placeholder's value arrived."""
+        assert self.num_placeholders > 0, f"{self} has no placeholder to resolve"
+        index = len(self.prompt_token_ids) + len(self.output_token_ids)
+        assert self._token_ids[index] < 0, (self, index)
+        self._token_ids[index] = token_id
+        self.num_placeholders -= 1
+        self._record_output(token_id, now)
+
+    def drop_placeholders(self) -> None:
+        """Forgets tokens still in flight (the sequence ended before them)."""
+        if self.num_placeholders:
+            del self._token_ids[len(self._token_ids) - self.num_placeholders:]
+            self.num_placeholders = 0
+            self.num_computed_tokens = min(self.num_computed_tokens, len(self._token_ids))
+
+    def _record_output(self, token_id: int, now: float | None) -> None:
         now = time.time() if now is None else now
         self.output_token_ids.append(token_id)
-        self._token_ids.append(token_id)
         if self.times.first_token is None:
             self.times.first_token = now
         self.times.token_times.append(now)

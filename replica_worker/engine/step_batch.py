@@ -5,6 +5,11 @@ tensor parallelism rank 0 sends it to the other ranks (distributed/step_channel.
 which hold no sequences and run the same forward from it. Sequences are ordered
 prefills (chunks of more than one token) first, then decodes, as the attention
 backends want; sample_rows keep the caller's chunk order.
+
+token_ids may hold placeholders (sequence.placeholder_code): tokens the step
+before this one sampled, still on the device. The runner fills them there from
+that step's sampled ids (fill_placeholders), so no host sync stands between
+the two steps.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence as Seq
 
 import numpy as np
+import torch
 
 from replica_worker.engine.sequence import Sequence
 
@@ -50,6 +56,19 @@ class StepBatch:
     @property
     def decode_only(self) -> bool:
         return self.num_prefills == 0
+
+    @property
+    def has_placeholders(self) -> bool:
+        return bool(self.token_ids.size) and int(self.token_ids.min()) < 0
+
+
+def fill_placeholders(input_ids: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+    """input_ids [T] on the device, placeholders replaced by the ids the step
+    before sampled (previous [S], on the same device), without a host sync."""
+    if previous is None or not previous.numel():
+        raise ValueError("the step has placeholders but no step in flight to fill them from")
+    rows = (-1 - input_ids).clamp_(min=0)
+    return torch.where(input_ids < 0, previous.to(input_ids.dtype)[rows], input_ids)
 
 
 def batch_of(chunks: list[ChunkLike], max_model_len: int) -> tuple[StepBatch, list[int]]:

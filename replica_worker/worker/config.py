@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--quantization", default=_env("QUANTIZATION", "") or None, choices=("fp8",),
                    help="fp8: decoder weights in e4m3 with per-channel scales, inputs quantized per "
                         "token (CUDA, compute capability 8.9+; emulated on the CPU). Default: none")
+    p.add_argument("--async-scheduling", default=_env("ASYNC_SCHEDULING", "auto"), choices=("auto", "on", "off"),
+                   help="schedule and prepare the next step while the device runs this one (auto: on "
+                        "for CUDA with one rank, off on the CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=float(_env("GPU_MEMORY_UTILIZATION", 0.9)))
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached KV blocks of shared prefixes")
     p.add_argument("--tensor-parallel-size", type=int, default=int(_env("TENSOR_PARALLEL_SIZE", 1)),
@@ -120,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         "enable_prefix_caching": not a.no_prefix_caching,
         "tensor_parallel_size": a.tensor_parallel_size,
         "dtype": a.dtype or ("float32" if a.device == "cpu" else "bfloat16"),
+        "async_scheduling": {"auto": None, "on": True, "off": False}[a.async_scheduling],
     }
     if a.max_num_batched_tokens is not None:
         engine_args["max_num_batched_tokens"] = int(a.max_num_batched_tokens)

@@ -164,7 +164,7 @@ def test_a_failed_step_ends_the_other_ranks_and_later_steps_say_why(tiny_model, 
     with tp_llm(tiny_model) as llm:
         pids = llm.engine.tensor_parallel.follower_pids
 
-        def fail(batch, rows):  # after the batch went out: rank 1 is left inside the step
+        def fail(batch, rows, previous=None):  # after the batch went out: rank 1 is left inside the step
             raise RuntimeError("boom on rank 0")
 
         monkeypatch.setattr(llm.engine.runner, "run_batch", fail)

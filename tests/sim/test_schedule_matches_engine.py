@@ -71,13 +71,13 @@ def test_the_simulated_engine_schedules_as_the_real_one(scheduler, tiny_model):
     requests = workload()
     real = EngineCore(engine_config(str(tiny_model), scheduler, **SETTINGS))
     real_schedule = []
-    execute = real.runner.execute
+    launch = real.runner.launch
 
-    def recording_execute(chunks):
+    def recording_launch(chunks, previous=None):
         real_schedule.append(chunk_signature(chunks))
-        return execute(chunks)
+        return launch(chunks, previous)
 
-    real.runner.execute = recording_execute
+    real.runner.launch = recording_launch
     sim = SimulatedEngine.from_profile(load_profile("cpu-tiny"), scheduler, time_scale=0, record=True,
                                        vocab_size=real.vocab_size, max_model_len=real.max_model_len,
                                        **SETTINGS)

@@ -73,15 +73,15 @@ def test_a_recoverable_engine_error_hands_the_step_back_and_nothing_is_failed(
         async with running_router(make_config(redis_url, tiny_model)) as app:
             worker, task = await run_worker(app.address, tiny_model)
             runner = worker.engine_loop._engine.runner
-            real_execute, calls = runner.execute, [0]
+            real_launch, calls = runner.launch, [0]
 
-            def execute(chunks):
+            def launch(chunks, previous=None):
                 calls[0] += 1
                 if calls[0] == 8:  # mid-decode: every request has some output
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-                return real_execute(chunks)
+                return real_launch(chunks, previous)
 
-            runner.execute = execute
+            runner.launch = launch
             async with client(app.address) as stub:
                 results = await asyncio.gather(*(collect(stub, r, timeout=60) for r in requests(n)))
             worker.begin_drain()
@@ -122,3 +122,21 @@ def test_the_router_sees_the_engine_cache_through_evictions_and_a_restart(redis_
             await asyncio.wait_for(task, 30)
 
     arun(scenario(), timeout=120)
+
+
+def test_async_scheduling_through_the_worker_gives_the_reference_tokens(redis_url, tiny_model, arun):
+    n = 40
+
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            worker, task = await run_worker(app.address, tiny_model, "--async-scheduling", "on")
+            assert worker.engine_loop._engine.async_scheduling
+            async with client(app.address) as stub:
+                results = await asyncio.gather(*(collect(stub, r, timeout=60) for r in requests(n)))
+            worker.begin_drain()
+            await asyncio.wait_for(task, 10)
+            return results
+
+    results = arun(scenario(), timeout=120)
+    assert [tokens_of(m) for m in results] == hf_greedy(str(tiny_model), PROMPTS, n)
+    assert all(m[-1].finish_reason == 2 for m in results)  # LENGTH

@@ -3,10 +3,13 @@
 A step is "computed tokens catching up with known tokens": schedule() picks,
 per sequence, how many of its uncomputed tokens to compute, and guarantees
 each one's KV slots (len(seq.block_ids) * block_size >= num_computed_tokens +
-num_tokens). The engine then advances num_computed_tokens, calls
-cache_computed() (the step's full blocks join the prefix cache), appends the
-token sampled for chunks that reach the last known token, and calls
-free_finished(). A sequence admitted with a cached prefix starts with those
+num_tokens). The engine then advances num_computed_tokens, appends a
+placeholder for the token sampled by chunks that reach the last known token,
+and, once the sampled ids are back (with async scheduling, after the next
+step was scheduled), fills it, calls cache_computed() (the step's full blocks
+join the prefix cache) and free_finished(). A sequence's last known token may
+thus be a placeholder when it is scheduled: only a decode reads it, and the
+prefix cache never hashes a sequence's last token. A sequence admitted with a cached prefix starts with those
 tokens computed, so its first chunk begins past them.
 
 Ownership: a sequence is in exactly one of waiting / running from add_seq
@@ -269,10 +272,14 @@ class BaseScheduler:
         nor preempted): a re-admission whose cached prefix leaves one token
         looks like a decode, and vllm and simple_chunking admit before decoding.
 
+        A sequence whose last token is still in flight (async scheduling) is
+        held as it is: it neither decodes nor is preempted.
+
         Returns the running sequences still in prefill (not scheduled here).
         Afterwards self.running holds the survivors, in rank order."""
-        already = [s for s in self.running if s.seq_id in step.scheduled]
-        pending = sorted((s for s in self.running if s.seq_id not in step.scheduled), key=self._rank_of)
+        already = [s for s in self.running if s.seq_id in step.scheduled or s.last_token_in_flight]
+        pending = sorted((s for s in self.running if s.seq_id not in step.scheduled and not s.last_token_in_flight),
+                         key=self._rank_of)
         pending.reverse()  # pop() yields the earliest arrival; pending[0] is the tail
         kept: list[Sequence] = []
         prefilling: list[Sequence] = []
