@@ -162,6 +162,7 @@ def main() -> None:
     llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=10240,
               scheduler="sarathi", chunk_size=8192, max_num_seqs=256, gpu_memory_utilization=0.9)
     be.RESULTS["startup_s"] = llm.engine.runner.startup_seconds
+    be.RESULTS["prefill_kernels"] = getattr(llm.engine.runner.backend, "prefill_kernels", None)
     if "decode" in sections:
         be.section("decode")(decode)(llm, [1, 32, 128, 256], ceil, args.steps, 2)
     if "prefill" in sections:

@@ -132,3 +132,14 @@ def test_chunked_prefill_mixed_with_decodes_matches_transformers(tiny_model_fact
         short_chunk = Chunk(short, 1)
     assert long.num_computed_tokens == 45 and long.num_output_tokens == 1
     assert short.num_output_tokens == len(plan)
+
+
+def test_flashinfer_prefill_kernels_can_be_named_and_a_wrong_name_is_refused(monkeypatch):
+    from replica_worker.engine.attention.flashinfer_backend import prefill_kernels
+
+    for name in ("fa2", "fa3"):
+        monkeypatch.setenv("QUADRIGA_FLASHINFER_PREFILL", name)
+        assert prefill_kernels(torch.device("cpu")) == name
+    monkeypatch.setenv("QUADRIGA_FLASHINFER_PREFILL", "fa4")
+    with pytest.raises(ValueError, match="must be auto, fa2 or fa3"):
+        prefill_kernels(torch.device("cpu"))
