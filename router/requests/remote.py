@@ -21,8 +21,11 @@ from router.requests.request import CANCELLED, Phase, RequestState
 class CrossRouter:
     # ---- taking requests in ----
     def adopt_popped(self, req: RequestState, replica_id: str, popped) -> None:
-        """This router's pop took a request it did not hold (its record came with it)."""
-        assert req.id not in self.requests, req.id
+        """This router's pop took a request it did not hold (its record came with it).
+        A copy here whose submit is still in flight gives way: its reply finds the id
+        taken and forgets that copy (forget_unstored), not this one."""
+        held = self.requests.get(req.id)
+        assert held is None or not held.confirmed, req.id
         self.requests[req.id] = req
         req.phase = Phase.REMOTE
         self.assign(req, replica_id, popped)

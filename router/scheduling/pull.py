@@ -277,6 +277,12 @@ class PullScheduler:
         taken, stale = [], []
         for p in popped:
             req = self.table.get(p.id)
+            if req is not None and not req.confirmed and p.record is not None:
+                # This router's copy is a submit still in flight for an id another
+                # router stored (a client re-sending its request after its router
+                # died): the pop took the stored request, and that is what runs.
+                # The submit's reply (id taken) then drops the copy and attaches.
+                req = None
             if req is None:
                 if p.record is None:
                     log.error("popped %s, which this router should hold and does not; its "

@@ -217,3 +217,49 @@ def test_pull_affinity_takes_the_head_another_router_submitted(redis_url, tiny_m
             await reps.close()
 
     arun(scenario())
+
+
+def test_a_resend_whose_submit_is_overtaken_by_a_pop_of_the_stored_request(redis_url, tiny_model, arun):
+    """A client re-sends its request, by id, to another router (its own died)
+    while it is still queued in Redis. That router's copy is admitted, and its
+    pop takes the stored request before the submit's reply (id taken) is back:
+    the pop adopts the stored request, the submit's copy goes, and the client
+    streams the run like the first one."""
+
+    async def scenario():
+        async with two_routers(redis_url, tiny_model) as (a, b):
+            vocab = a.limits.vocab_size
+            reps = Replicas(b.address, vocab)
+            rep = await reps.add("late", auto_pull=False)
+            await wait_for_remote_replicas(a)
+            req = request([6, 2], 12, request_id="raced")
+            async with client(a.address) as stub_a, client(b.address) as stub_b:
+                first = asyncio.create_task(collect(stub_a, req))
+                await wait_until(lambda: a.table.get("raced") is not None and a.table.get("raced").confirmed)
+                gate, admit = asyncio.Event(), b.table.admit
+
+                def admit_with_a_late_reply(*args, **kwargs):
+                    copy, stored = admit(*args, **kwargs)
+
+                    async def late():
+                        result = await stored
+                        await gate.wait()
+                        return result
+
+                    return copy, asyncio.ensure_future(late())
+
+                b.table.admit = admit_with_a_late_reply
+                second = asyncio.create_task(collect(stub_b, req))
+                await wait_until(lambda: b.table.get("raced") is not None)
+                submitted = b.table.get("raced")
+                assert not submitted.confirmed
+                rep.pull(1)
+                await wait_until(lambda: rep.rec.assignments)
+                assert b.table.get("raced") is not submitted  # the stored request, adopted
+                gate.set()
+                for msgs in (await second, await first):
+                    assert tokens_of(msgs) == expected_tokens([6, 2], 12, vocab)
+                    assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
+            await reps.close()
+
+    arun(scenario())
