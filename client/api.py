@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
 
 import grpc
@@ -133,11 +134,13 @@ class FailoverStream:
         self.tokens = 0          # tokens delivered to the caller
         self.chars = 0           # characters of text delivered
         self.broken: list[str] = []   # how each attempt that broke ended (status names)
+        self.attempts: list[tuple[str, float, float, str]] = []   # each that broke: address, start, end, status
         self._rng = random.Random(self.request.request_id)
 
     async def __aiter__(self):
         address = self.health.first(self.routers, self._rng)
         while True:
+            started = time.perf_counter()
             try:
                 async for msg in self._attempt(address):
                     yield msg
@@ -149,6 +152,7 @@ class FailoverStream:
                     raise
                 code = exc.code()
             self.broken.append(code.name)
+            self.attempts.append((address, started, time.perf_counter(), code.name))
             self.health.failed(address)
             if len(self.broken) >= self.max_attempts:
                 raise RuntimeError(f"request {self.request.request_id}: {len(self.broken)} attempts "

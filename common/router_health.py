@@ -11,6 +11,12 @@ failure in a row up to `max_down_for`; one that serves again is cleared. Shared
 by many streams, one death is many failures in a row (every stream it broke), so
 a process passes a dead router over for the longest time at once; the failover
 runs of benchmarks/router/NOTES.md measured that behaviour.
+When its pass-over ends, one caller takes it (first or after returns it) as a
+trial, and the others keep passing it over until that trial fails (passed over
+again, for longer) or is served (cleared): a router that still does not answer
+(frozen: TCP accepts, HTTP/2 never does, about 8 s to fail with the keepalive
+settings of client/api.py) holds up that one stream, not every new request
+meant for it.
 Not thread-safe: one owner per event loop.
 """
 
@@ -45,9 +51,9 @@ class RouterHealth:
         are). A client that starts each request at its own router keeps that
         spread when one of them dies."""
         if self.usable(routers[0]):
-            return routers[0]
+            return self._take(routers[0])
         live = [r for r in routers[1:] if self.usable(r)]
-        return (rng or random).choice(live) if live else routers[0]
+        return self._take((rng or random).choice(live) if live else routers[0])
 
     def after(self, routers: list[str], failed: str, rng: random.Random) -> tuple[str, bool]:
         """The router to try after `failed` failed, and whether to wait first:
@@ -55,5 +61,12 @@ class RouterHealth:
         when every other one is, the next in list order, after a wait."""
         live = [r for r in routers if r != failed and self.usable(r)]
         if live:
-            return rng.choice(live), False
-        return routers[(routers.index(failed) + 1) % len(routers)], True
+            return self._take(rng.choice(live)), False
+        return self._take(routers[(routers.index(failed) + 1) % len(routers)]), True
+
+    def _take(self, address: str) -> str:
+        """A router that failed and is tried again: the others pass it over
+        while this trial lasts (until failed or served; max_down_for at most)."""
+        if address in self._down_until:
+            self._down_until[address] = time.monotonic() + self.max_down_for
+        return address

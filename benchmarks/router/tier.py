@@ -112,16 +112,30 @@ class Tier:
              "--seed", str(seed * 100 + i), "--first-index", str(i * 10_000_000),
              "--out", str(outs[i])],
             cwd=ROOT, stdout=self.log, stderr=self.log) for i in range(k)]
+        kill_wall = None
         if kill_at is not None:
             time.sleep(kill_at)
+            kill_wall = time.time()
             self.routers[1 % self.n].send_signal(signal.SIGKILL)
-        records = []
+        runs = []
         for gen, path in zip(gens, outs):
             if gen.wait() != 0:
                 raise SystemExit(f"load generator failed; see {self.log.name}")
-            records += json.loads(path.read_text())["records"]
+            runs.append(json.loads(path.read_text()))
             path.unlink()
-        return dict(offered_rps=rate, records=records, killed_at_s=kill_at)
+        # Each generator's times count from its own start (after its imports, which
+        # take a second or so): one time base, that of the first to start, and the
+        # kill on it too.
+        t0 = min(r["start_wall"] for r in runs)
+        records = []
+        for r in runs:
+            shift = r["start_wall"] - t0
+            for rec in r["records"]:
+                rec["sent"] += shift
+                rec["attempts"] = [(i, s + shift, e + shift, c) for i, s, e, c in rec.get("attempts", ())]
+            records += r["records"]
+        killed = None if kill_wall is None else kill_wall - t0
+        return dict(offered_rps=rate, records=records, killed_at_s=killed)
 
     def stop(self) -> None:
         for proc in self.sims + self.routers:
@@ -168,10 +182,12 @@ def failover(args, work, model, rate: float) -> dict:
         tier.stop()
     summary = failover_summary(result, args.window_s)
     summary.update(routers=n, replicas=args.replicas, offered_rps=rate, duration_s=duration)
+    if args.records:   # every request, with its attempts (router index, start, end, status)
+        Path(args.records).write_text(json.dumps(dict(addresses=tier.addresses, **result)))
     back = (f"p99 TTFT back to normal after {summary['recovery_s']} s"
             if summary["recovered_within_run"] else
             f"p99 TTFT not back to normal by the end of the run ({summary['recovery_s']} s after the kill)")
-    print(f"failover: {n} routers at {rate:.0f}/s, router 1 killed at {duration / 3:.1f} s: lost "
+    print(f"failover: {n} routers at {rate:.0f}/s, router 1 killed at {summary['killed_at_s']:.1f} s: lost "
           f"{summary['lost']}, duplicated tokens {summary['duplicated_tokens']}, {back}", flush=True)
     return summary
 
@@ -194,6 +210,7 @@ def parse_args(argv=None):
     p.add_argument("--failover-rate", type=float, help="instead of --failover-load x sustained")
     p.add_argument("--failover-duration", type=float, default=15.0)
     p.add_argument("--window-s", type=float, default=0.5, help="TTFT p99 windows (failover)")
+    p.add_argument("--records", help="failover: the raw records (JSON) too")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/router_tier.json"))
     return p.parse_args(argv)
 

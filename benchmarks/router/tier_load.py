@@ -57,6 +57,9 @@ async def one(routers, index, prompt, args, channels, health, start, out):
     rec["tokens"] = len(tokens)
     rec["exact"] = tokens == expected_tokens(prompt, args.output_tokens, args.vocab)
     rec["broken"] = stream.broken
+    rec["first"] = routers.index(order[0])
+    rec["attempts"] = [(routers.index(a), round(s - start, 4), round(e - start, 4), c)
+                       for a, s, e, c in stream.attempts]
     out.append(rec)
 
 
@@ -74,7 +77,7 @@ async def run(args) -> dict:
     health = RouterHealth()   # one client process: its streams learn together which router died
     out: list[dict] = []
     loop = asyncio.get_running_loop()
-    start = time.perf_counter()
+    start, start_wall = time.perf_counter(), time.time()
     tasks = []
     for i, (at, prompt) in enumerate(zip(times, prompts)):
         delay = start + at - time.perf_counter()
@@ -86,7 +89,7 @@ async def run(args) -> dict:
     await asyncio.gather(*tasks)
     for channel in channels.values():
         await channel.close()
-    return dict(offered_rps=args.rate, send_window_s=send_window,
+    return dict(offered_rps=args.rate, send_window_s=send_window, start_wall=start_wall,
                 elapsed_s=time.perf_counter() - start, records=out)
 
 

@@ -21,6 +21,24 @@ def test_failures_in_a_row_pass_a_router_over_longer_until_it_serves():
     assert health.usable("r0:1") and health.first(ROUTERS) == "r0:1"
 
 
+def test_when_a_pass_over_ends_one_caller_tries_the_router_and_the_others_wait_for_it():
+    # A router that still does not answer (frozen) would otherwise hold up every
+    # new request meant for it until the first of them fails.
+    health = RouterHealth(down_for=0.05, max_down_for=0.05)
+    health.failed("r0:1")
+    time.sleep(0.06)
+    assert health.first(ROUTERS) == "r0:1"            # the trial
+    assert [health.first(ROUTERS) for _ in range(20)].count("r0:1") == 0
+    health.served("r0:1")                             # it answered: cleared for all
+    assert health.first(ROUTERS) == "r0:1" and health.first(ROUTERS) == "r0:1"
+    health.failed("r0:1")
+    time.sleep(0.06)
+    assert health.first(ROUTERS) == "r0:1"            # the next trial
+    health.failed("r0:1")                             # failed: passed over again
+    assert health.first(ROUTERS) != "r0:1"
+    assert health.first(["r1:1", "r0:1"]) == "r1:1"   # a router never failed is no trial
+
+
 def test_new_work_meant_for_a_router_that_is_down_spreads_over_the_others():
     # A load generator starts request i at router i mod 4: with r1 down, the
     # requests meant for it must not all land on r2 (r2 would carry double).
