@@ -226,9 +226,10 @@ class EngineCore:
         except BaseException:
             # The other ranks may be inside this step's collectives: no later step could pair with them.
             self._abort_ranks("a step failed on rank 0")
-            # The step in flight is dropped: its tokens were never reported, and whoever
-            # goes on (the worker hands everything back) recomputes from what was.
-            self._in_flight = None
+            if self._in_flight is not None:
+                # Its tokens were never read: undone, so the engine stays whole and
+                # computes them again if it goes on (a worker hands everything back).
+                self._roll_back(self._take_in_flight())
             raise
         row = 0
         for chunk, sampling in zip(chunks, samples):
@@ -238,6 +239,17 @@ class EngineCore:
                 seq.append_placeholder(row)
                 row += 1
         return _Launched(chunks, samples, sampled)
+
+    def _roll_back(self, launched: _Launched) -> None:
+        """The state before `launched`: its placeholders dropped, its computed tokens
+        uncounted (a sequence preempted since has none to uncount)."""
+        for chunk in launched.chunks:
+            seq = chunk.seq
+            if seq.is_finished:
+                continue
+            seq.drop_placeholders()
+            seq.last_token_in_flight = False
+            seq.num_computed_tokens = max(0, seq.num_computed_tokens - chunk.num_tokens)
 
     def _take_in_flight(self) -> _Launched:
         launched, self._in_flight = self._in_flight, None

@@ -197,3 +197,36 @@ def test_off_by_default_on_the_cpu_and_refused_with_tensor_parallelism(tiny_mode
     assert not LLM(str(tiny_model)).engine.async_scheduling
     with pytest.raises(ValueError, match="async scheduling needs tensor_parallel_size 1"):
         engine_config(str(tiny_model), async_scheduling=True, tensor_parallel_size=2)
+
+
+def test_a_failed_launch_undoes_the_step_in_flight_and_the_engine_goes_on(tiny_model):
+    """A step that raises (say, out of memory) while another is in flight: that one's
+    tokens were never read, so it is undone and computed again; outputs are exact."""
+    llm = LLM(str(tiny_model), chunk_size=16, num_blocks=128, async_scheduling=True)
+    engine, runner = llm.engine, llm.engine.runner
+    launch, calls = runner.launch, [0]
+
+    def failing_once(chunks, previous=None):
+        calls[0] += 1
+        if calls[0] == 12:
+            raise RuntimeError("out of memory")
+        return launch(chunks, previous)
+
+    runner.launch = failing_once
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    seen: dict[str, list[int]] = {}
+    failed = 0
+    while engine.has_unfinished():
+        try:
+            deltas = engine.step().deltas
+        except RuntimeError:
+            failed += 1
+            continue
+        for d in deltas:
+            seen.setdefault(d.request_id, []).extend(d.new_token_ids)
+    assert failed == 1
+    expected = LLM(str(tiny_model), chunk_size=16, num_blocks=128).generate(PROMPTS, GREEDY)
+    assert [seen[f"r{i}"] for i in range(len(PROMPTS))] == [o.outputs[0].token_ids for o in expected]
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
