@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_flashinfer_cuda.py \
-      tests/engine/test_runner_cuda.py tests/engine/test_sampler_cuda.py 2>&1 | tee "$out/cuda_tests.log" | tail -8
+      tests/engine/test_runner_cuda.py tests/engine/test_sampler_cuda.py tests/engine/test_async_scheduling_cuda.py 2>&1 | tee "$out/cuda_tests.log" | tail -8
 fi
 python3 benchmarks/gpu/bench_serving.py --out "$out/serving_h200.json" --tokenizer "$carry/smollm2-tokenizer" \
     --log-dir "$out/serving-logs" ${SERVING_ARGS:-}
