@@ -9,6 +9,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 from replica_worker import LLM, SamplingParams
 from replica_worker.engine.config import CacheConfig, EngineConfig, ModelConfig
 from replica_worker.engine.kv_events import KVCacheEvents, PrefixCacheStats
@@ -85,10 +87,12 @@ def test_the_engine_process_ends_when_its_worker_is_gone(tiny_model):
     assert engine._process.exitcode == 0
 
 
-def test_stop_strings_end_requests_in_the_worker_as_in_the_engine(redis_url, tiny_model, arun):
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_stop_strings_end_requests_in_the_worker_as_in_the_engine(redis_url, tiny_model, arun, async_scheduling):
     """Greedy outputs through a worker whose engine has its own process equal
     transformers'; with stop strings, the texts and finish reasons equal the
-    offline engine's, which finds them itself."""
+    offline engine's, which finds them itself. With async scheduling the engine
+    reports a step later and runs a step past a stop: the worker drops it."""
     from common.pb.quadriga.v1 import generation_pb2 as gpb
 
     n = 24
@@ -101,7 +105,8 @@ def test_stop_strings_end_requests_in_the_worker_as_in_the_engine(redis_url, tin
 
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model)) as app:
-            worker, task = await run_worker(app.address, tiny_model, engine_thread=False)
+            worker, task = await run_worker(app.address, tiny_model, "--async-scheduling", async_scheduling,
+                                            engine_thread=False)
             assert worker.texts is not None  # the worker detokenizes, not the engine
             async with client(app.address) as stub:
                 greedy = await asyncio.gather(*(collect(stub, r, timeout=60) for r in requests(n)))
