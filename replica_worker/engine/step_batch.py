@@ -15,6 +15,7 @@ the two steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol, Sequence as Seq
 
 import numpy as np
@@ -57,8 +58,9 @@ class StepBatch:
     def decode_only(self) -> bool:
         return self.num_prefills == 0
 
-    @property
+    @cached_property
     def has_placeholders(self) -> bool:
+        """Read by the runner and the graphs each step: found once."""
         return bool(self.token_ids.size) and int(self.token_ids.min()) < 0
 
 
