@@ -195,7 +195,12 @@ def test_a_router_frozen_past_its_lease_is_fenced_and_rejoins(router_tier, hf_re
     frozen = tier.routers[0]
 
     async def scenario():
-        followers = [Follower(tier.addresses(0, 1), p, f"frozen-{i}") for i, p in enumerate(PROMPTS)]
+        # Every stream must still run when the router freezes. The two replicas'
+        # first steps can start far apart on a loaded machine, and 48 tokens let
+        # the first replica finish a request before the other's reached 3 (seen
+        # in about 1 run in 6 of this test alone, under async scheduling).
+        followers = [Follower(tier.addresses(0, 1), p, f"frozen-{i}", max_tokens=160)
+                     for i, p in enumerate(PROMPTS)]
         tasks = [asyncio.create_task(f.run()) for f in followers]
         await until_streaming(followers, running=4)
         fenced_before = tier.log_of(0).count("fenced: starting over")
