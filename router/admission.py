@@ -168,6 +168,10 @@ class Admission:
         loop = asyncio.get_running_loop()
         try:
             encoder = await self._prompt_encoder()
+            if len(prompt) <= self.config.inline_tokenize_chars:
+                # A short prompt encodes in tens of microseconds, less than
+                # the hand-off to a tokenizer thread and back costs.
+                return encode_prompt(encoder, prompt)
             return await loop.run_in_executor(self.executor, encode_prompt, encoder, prompt)
         except Exception as exc:  # a tokenizer failure is answered, never swallowed
             raise RouterError(grpc.StatusCode.INTERNAL, f"tokenizing the prompt failed: {exc}",

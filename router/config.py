@@ -44,6 +44,7 @@ class RouterConfig:
     shutdown_timeout: float = 5.0      # on SIGTERM: time to make pending writes durable
     max_requeues: int = 8              # a request moved this often between replicas fails
     tokenizer_threads: int = 2
+    inline_tokenize_chars: int = 512   # prompts this short are tokenized on the event loop
     log_level: str = "INFO"
     # Cache-affine scheduling (docs/router.md): the view of the replicas' caches,
     # pull's choice among the oldest queued requests, cache_aware's balance.
@@ -88,6 +89,8 @@ class RouterConfig:
             problems.append("max_pending_submits, max_requeues and redis_max_in_flight must be at least 1")
         if self.tokenizer_threads < 1:
             problems.append("tokenizer_threads must be at least 1")
+        if self.inline_tokenize_chars < 0:
+            problems.append("inline_tokenize_chars must be at least 0")
         problems += _affinity_problems(self)
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             problems.append(f"redis_url: {self.redis_url!r} is not a redis:// URL")

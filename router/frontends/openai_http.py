@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.datastructures import Headers
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
 from router.auth import key_matches
 from router.frontends import openai_render as render
@@ -181,13 +182,15 @@ class OpenAIFrontend:
                               f"model {model!r} does not exist; this router serves {served!r}",
                               "unknown_model")
 
-    async def completions(self, body: CompletionRequest, request: Request):
+    async def completions(self, request: Request):
+        body = await _parse(request, CompletionRequest)
         self._check_model(body.model)
         rid = self._request_id(request)
         specs = body.specs(rid or "")
         return await self._serve(request, body, specs, rid, chat=False)
 
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+    async def chat_completions(self, request: Request):
+        body = await _parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         rid = self._request_id(request)
         messages = body.rendered_messages()
@@ -285,6 +288,18 @@ class OpenAIFrontend:
             gone.cancel()
             for req, sub in zip(reqs, subs):
                 self.table.unsubscribe(req, sub)
+
+
+async def _parse(request: Request, model: type[BaseModel]):
+    """The body through pydantic's own JSON validator. The two hot endpoints take
+    the raw request rather than a typed body parameter: FastAPI's body path
+    (content-type dispatch, json.loads, then validation of the dict) cost more
+    router CPU per request than the rest of the handler. Errors take the same
+    400 path and messages as FastAPI's own."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as err:
+        raise RequestValidationError(err.errors(include_url=False)) from None
 
 
 async def _disconnected(request: Request) -> None:
