@@ -161,8 +161,11 @@ class OpenAIFrontend:
 
         app.get("/health")(self.health)
         app.get("/v1/models")(self.models)
-        app.post("/v1/completions")(self.completions)
-        app.post("/v1/chat/completions")(self.chat_completions)
+        # The two hot endpoints are plain Starlette routes: they take the raw
+        # request and answer with a Response, so FastAPI's per-call dependency
+        # solving and response handling would do nothing but cost.
+        app.router.add_route("/v1/completions", self.completions, methods=["POST"])
+        app.router.add_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         return app
 
     async def health(self):
