@@ -223,6 +223,8 @@ class OpenAIFrontend:
         return await self._answer(request, reqs, meta, tokenizer, headers)
 
     async def _open_all(self, specs):
+        if len(specs) == 1:  # the common call: no gather, no task per request
+            return [await self.admission.open(specs[0])]
         results = await asyncio.gather(*(self.admission.open(s) for s in specs), return_exceptions=True)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is None:
@@ -269,7 +271,15 @@ class OpenAIFrontend:
 
     async def _answer(self, request: Request, reqs, meta, tokenizer, headers):
         event, subs = self._subscribe(reqs)
-        gone = asyncio.create_task(_disconnected(request))
+        disconnected = []
+
+        async def watch_disconnect():
+            await _disconnected(request)
+            disconnected.append(True)
+            event.set()
+
+        # One watcher task a call, which wakes the same event the tokens do.
+        watcher = asyncio.get_running_loop().create_task(watch_disconnect())
         try:
             while True:
                 event.clear()
@@ -278,17 +288,15 @@ class OpenAIFrontend:
                         return error_response(503, sub.detached)
                 if all(r.finish_visible for r in reqs):
                     break
-                waiter = asyncio.create_task(event.wait())
-                await asyncio.wait([waiter, gone], return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-                if gone.done():
+                if disconnected:
                     return error_response(499, "client disconnected")
+                await event.wait()
             failed = next((r for r in reqs if r.finish_reason == ERROR), None)
             if failed is not None:
                 return error_response(500, failed.error or "the request failed")
             return JSONResponse(render.full_response(meta, reqs, tokenizer), headers=headers)
         finally:
-            gone.cancel()
+            watcher.cancel()
             for req, sub in zip(reqs, subs):
                 self.table.unsubscribe(req, sub)
 

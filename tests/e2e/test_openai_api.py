@@ -218,6 +218,23 @@ def test_a_client_disconnect_cancels_the_request(stack):
     assert body["usage"]["completion_tokens"] < 800
 
 
+def test_a_client_disconnect_cancels_a_request_that_does_not_stream(stack):
+    async def scenario():
+        async with httpx.AsyncClient(base_url=base(stack), timeout=30) as c:
+            with pytest.raises(httpx.ReadTimeout):   # the client gives up and closes
+                await c.post("/v1/completions", headers={"X-Request-Id": "gives-up"}, timeout=0.3,
+                             json={"prompt": [4, 5], "max_tokens": 800, "ignore_eos": True})
+        await asyncio.sleep(1.0)
+        async with httpx.AsyncClient(base_url=base(stack), timeout=30) as c:
+            r = await c.post("/v1/completions", headers={"X-Request-Id": "gives-up"},
+                             json={"prompt": [4, 5], "max_tokens": 800, "ignore_eos": True})
+            return r.json()
+
+    body = asyncio.run(scenario())
+    assert body["choices"][0]["finish_reason"] == "abort"
+    assert body["usage"]["completion_tokens"] < 800
+
+
 def test_api_keys_guard_the_http_api(tmp_path, redis_url, tiny_model):
     port = free_port()
     st = LiveStack(tmp_path, redis_url, str(tiny_model),
