@@ -36,6 +36,16 @@ def parse_side(text: str) -> tuple[str, Path, list[str]]:
     return name, Path(tree).resolve(), [s for s in settings.split(",") if s]
 
 
+def git_state(tree: Path) -> str | None:
+    """The tree's commit, with "+changes" when its tracked files differ from it."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tree, capture_output=True, text=True).stdout.strip()
+    commit = git("rev-parse", "HEAD")
+    if not commit:
+        return None
+    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def run_side(name: str, tree: Path, settings: list[str], peers_args: list[str], out: Path) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.router.peers", "--only", "quadriga-http", "--repeats", "1",
            "--out", str(out), *peers_args]
@@ -79,10 +89,7 @@ def main() -> None:
             for f, v in entry.items()}})
     result = {
         "command": " ".join([".venv/bin/python -m benchmarks.router.peers_ab", *sys.argv[1:]]),
-        "sides": [{"name": n, "tree": str(t), "settings": s,
-                   "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=t, capture_output=True,
-                                            text=True).stdout.strip() or None}
-                  for n, t, s in sides],
+        "sides": [{"name": n, "tree": str(t), "settings": s, "commit": git_state(t)} for n, t, s in sides],
         "summary": summary,
         "raw": raw,
     }
