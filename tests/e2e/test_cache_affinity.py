@@ -62,14 +62,21 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(live_stack, hf_referenc
 
 
 def test_an_uncached_request_is_served_once_it_has_waited_its_bound(live_stack, hf_reference):
-    """One seat, so requests run one after another, each of the cached ones for
-    150 steps. A cold request arrives ahead of 8 that share a cached prefix.
-    Cached tokens alone decide (--pull-affinity-wait-weight 0), so the cached
-    ones pass it until it has waited 0.5 s: then it is served next. Strict FIFO
-    would serve it first; affinity without the bound, last. (Six of the cached
-    ones must take well over the bound: at 60 steps each, about 0.1 s here,
-    all eight ran within a 1 s bound, and the cold one was rightly last.)"""
-    stack = live_stack("pull", ["--pull-affinity-max-wait", "0.5", "--pull-affinity-wait-weight", "0"])
+    """One seat, so requests run one after another. A cold request arrives ahead
+    of 8 that share a cached prefix. Cached tokens alone decide
+    (--pull-affinity-wait-weight 0), so a cached one passes the cold one while
+    it has waited less than the bound (1 s); once it has waited longer, it is
+    served next. Strict FIFO would serve it first; affinity without the bound,
+    last. So the order is w0, cold, w1, ..., w7.
+
+    The two picks are placed in time by pausing the engine, not by how fast the
+    machine steps: the nine queue while it is paused (the seat holder has few
+    steps left, so the first pick comes well inside the bound even on a loaded
+    box), and it is paused again, w0 holding the seat, until the cold one has
+    waited past the bound. Timed by sleeps alone, a loaded CI box served the
+    cold one first and an idle one last."""
+    bound = 1.0
+    stack = live_stack("pull", ["--pull-affinity-max-wait", str(bound), "--pull-affinity-wait-weight", "0"])
     stack.start_replica("r0", "--max-num-seqs", "1")
     cold = [300 + (7 * i) % 200 for i in range(101)]
     warm = [prefixed(i) for i in range(1, 9)]
@@ -81,26 +88,37 @@ def test_an_uncached_request_is_served_once_it_has_waited_its_bound(live_stack, 
             out = await generate(stack.address, prompt, n, progress=progress[name])
             return name, prompt, n, out
 
-        progress = {"busy": [0], "cold": [0], **{f"w{i}": [0] for i in range(len(warm))}}
-        # Holds the one seat (and caches the prefix) while the others queue.
-        busy = asyncio.create_task(one("busy", prefixed(0), 60))
-        while not progress["busy"][0]:
-            await asyncio.sleep(0.01)
-        tasks = [asyncio.create_task(one("cold", cold))]
-        await asyncio.sleep(0.05)
-        for i, prompt in enumerate(warm):
-            tasks.append(asyncio.create_task(one(f"w{i}", prompt)))
-            await asyncio.sleep(0.02)
-        while len(first_token) < len(tasks):
+        def note_first_tokens():
             for name, p in progress.items():
                 if p[0] and name not in first_token and name != "busy":
                     first_token[name] = time.monotonic()
+
+        progress = {"busy": [0], "cold": [0], **{f"w{i}": [0] for i in range(len(warm))}}
+        # Holds the one seat (and caches the prefix) while the others queue.
+        busy = asyncio.create_task(one("busy", prefixed(0), 40))
+        while not progress["busy"][0]:
+            await asyncio.sleep(0.01)
+        with stack.engines_paused("r0"):
+            cold_sent = time.monotonic()
+            tasks = [asyncio.create_task(one("cold", cold))]
+            await asyncio.sleep(0.05)
+            for i, prompt in enumerate(warm):
+                tasks.append(asyncio.create_task(one(f"w{i}", prompt)))
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)   # every submit admitted before the seat can free
+        # The first pick, inside the cold one's bound: the seat holder ends soon.
+        while not first_token:
+            note_first_tokens()
+            await asyncio.sleep(0.005)
+        assert time.monotonic() - cold_sent < bound, "the first pick came too late to test the bound"
+        with stack.engines_paused("r0"):
+            await asyncio.sleep(cold_sent + bound + 0.3 - time.monotonic())
+        while len(first_token) < len(tasks):
+            note_first_tokens()
             await asyncio.sleep(0.005)
         return await asyncio.gather(busy, *tasks), sorted(first_token, key=first_token.get)
 
     results, order = asyncio.run(scenario())
     for name, prompt, n, (tokens, _) in results:
         assert tokens == hf_reference(prompt, n), name
-    position = order.index("cold")
-    assert 1 <= position <= len(warm) - 2, order
-    assert order[:position] == [f"w{i}" for i in range(position)], "cached ones in arrival order"
+    assert order == ["w0", "cold"] + [f"w{i}" for i in range(1, len(warm))], order

@@ -102,15 +102,20 @@ def test_replica_killed_mid_generation_loses_nothing(live_stack, hf_reference, p
 
 def test_replica_joining_under_load_takes_work(live_stack, hf_reference):
     stack = live_stack("pull")
-    # One seat: r0 alone would need many seconds for this load, longer than
-    # r1 needs to start, so r1 joins while most requests still wait.
+    # One seat, and r0's engine paused while r1 starts: r1 joins while r0 is
+    # mid-request and most requests still wait, however fast r0 would have
+    # served them alone and however slow r1's start-up is on a busy machine.
     stack.start_replica("r0", "--max-num-seqs", "1")
     prompts = PROMPTS * 3
 
     async def scenario():
-        tasks = [asyncio.create_task(generate(stack.address, p, 300)) for p in prompts]
-        await asyncio.sleep(0.3)
-        await asyncio.to_thread(stack.start_replica, "r1")
+        progress = [[0] for _ in prompts]
+        tasks = [asyncio.create_task(generate(stack.address, p, 300, progress=n))
+                 for p, n in zip(prompts, progress)]
+        while max(n[0] for n in progress) == 0:
+            await asyncio.sleep(0.01)
+        with stack.engines_paused("r0"):
+            await asyncio.to_thread(stack.start_replica, "r1")
         return await asyncio.gather(*tasks)
 
     results = asyncio.run(scenario())
