@@ -17,14 +17,20 @@ SHARED = list(range(300, 364))   # 64 tokens: 4 blocks, all reusable by a longer
 NOW = 1000.0
 
 
-@pytest.fixture
-def policy(monkeypatch):
+def pull_with_weight(monkeypatch, weight: float):
     monkeypatch.setattr(pull_policy, "time", type("Clock", (), {"time": staticmethod(lambda: NOW)}))
     index = PrefixIndex(1000)
     index.replace("r0", H16, [])
     index.replace("r1", H16, H16.hashes(SHARED))
     ctx = Context(PrefixMatcher(index))
-    return make_policy("pull", ctx, PolicySettings(affinity_max_wait=30.0))
+    return make_policy("pull", ctx, PolicySettings(affinity_max_wait=30.0, affinity_wait_weight=weight))
+
+
+@pytest.fixture
+def policy(monkeypatch):
+    # Weight 1 (not the default): a second of waiting is worth exactly the puller's
+    # prefill rate in cached tokens, so the numbers below read directly.
+    return pull_with_weight(monkeypatch, 1.0)
 
 
 def queue(policy, *reqs):
@@ -40,6 +46,20 @@ def test_a_second_of_waiting_weighs_the_pullers_prefill_rate_in_cached_tokens(po
     assert [r.id for r, _ in policy.choose(r1, "pending", 1, None, []).picks] == ["cold"]
     slow = Replica("r1", 100.0)          # a slower prefill makes the same hit worth 640 ms
     assert [r.id for r, _ in policy.choose(slow, "pending", 1, None, []).picks] == ["warm"]
+
+
+def test_the_wait_weight_scales_what_a_second_of_waiting_is_worth(monkeypatch):
+    policy = pull_with_weight(monkeypatch, PolicySettings().affinity_wait_weight)
+    assert PolicySettings().affinity_wait_weight == 0.25
+    r1 = Replica("r1", 1000.0)          # at 0.25, 64 cached tokens are worth 256 ms of waiting
+    warm = Req("warm", SHARED + [1, 2], 0, NOW)
+    queue(policy, Req("cold", [9] * 30, 0, NOW - 0.200), warm)
+    assert [r.id for r, _ in policy.choose(r1, "pending", 1, None, []).picks] == ["warm"]
+    queue(policy, Req("cold", [9] * 30, 0, NOW - 0.300), warm)
+    assert [r.id for r, _ in policy.choose(r1, "pending", 1, None, []).picks] == ["cold"]
+    r0 = Replica("r0", 1000.0)          # and work r1 holds is left to it for 256 ms
+    queue(policy, Req("warm", SHARED + [1, 2], 0, NOW - 0.056))
+    assert policy.choose(r0, "pending", 1, None, ["r1"]).retry_in == pytest.approx(0.200)
 
 
 def test_work_another_live_replica_holds_is_left_until_it_has_waited_its_lead(policy):

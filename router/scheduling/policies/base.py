@@ -44,7 +44,7 @@ class PolicySettings:
 
     affinity_window: int = 32          # pull: oldest queued requests a Pull chooses among; 0: FIFO
     affinity_max_wait: float = 2.0     # pull: seconds after which a request is served first, in order
-    affinity_wait_weight: float = 1.0  # pull: a second's wait is worth this x the puller's prefill tokens/s
+    affinity_wait_weight: float = 0.25  # pull: a second's wait is worth this x the puller's prefill tokens/s
     balance_abs: int = 8192            # cache_aware: outstanding tokens over the least loaded ...
     balance_rel: float = 1.5           # ... and this many times its load: least loaded instead
 
