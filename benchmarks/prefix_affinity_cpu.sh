@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # CPU figures of cache-affine scheduling (docs/benchmarks.md, "CPU figures:
 # cache-affine scheduling"). Two replicas of the cpu-small shape (dummy weights; its
-# prefill weighs against a decode step as a served model's does), 8 seats and a KV
-# cache of 256 blocks each (4096 tokens: one replica cannot hold every prefix, two
-# can), sarathi with 256-token chunks. Per workload and seed:
+# prefill weighs against a decode step as a served model's does), 8 seats each and a
+# KV cache sized so one replica cannot hold what the workload keeps reusing and two
+# can (shared: 256 blocks, 4096 tokens; chat: 1536 blocks, 24,576 tokens), sarathi
+# with 256-token chunks. Per workload and seed:
 #   capacity of pull, pull_fifo, cache_aware, round_robin (engine cache on) and of pull
 #   with the engine cache off: the highest Poisson rate with p99 TTFT <= 2 s and p99 TBT
 #   <= 250 ms (and p50 scheduling delay <= 2 s, keeping up); then, at 70% of pull_fifo's
@@ -29,17 +30,24 @@ MODEL=${MODEL:-benchmarks/results/tmp/cpu-small}
 TMP=benchmarks/results/tmp/prefix_cpu
 [ -f "$MODEL/config.json" ] || "$PY" -m benchmarks model-dir "$MODEL" --shape cpu-small >/dev/null
 common=(--start-stack --replicas 2 --model "$MODEL" --replica-arg=--load-format --replica-arg=dummy
-        --replica-arg=--max-num-seqs --replica-arg=8 --replica-arg=--num-blocks --replica-arg=256
+        --replica-arg=--max-num-seqs --replica-arg=8
         --replica-arg=--chunk-size --replica-arg=256 --output-dist fixed
         --tbt-slo 0.25 --ttft-p99-slo 2 --warmup 4 --hardware none --no-progress --out-dir "$TMP")
-search=(--growth 1.5 --max-probes 5 --rel-tol 0.1)
-# 8 groups x 768-token system prompt (384 blocks), 16 questions each: 128 requests
-shared=(--workload shared-prefix --groups 8 --questions 16 --system-len 768 --prompt-dist uniform
-        --prompt-min 16 --prompt-max 64 --output-len 16 --initial-rate 8)
-# 64 conversations x 4 turns after a 256-token system prompt; rates are conversations/s
-# (enough conversations that their start rate, not their number, sets the load)
-chat=(--workload multi-turn --conversations 64 --turns 4 --system-len 256 --prompt-dist uniform
-      --prompt-min 64 --prompt-max 192 --output-len 32 --initial-rate 3)
+# Seven probes: the bracket then closes to 4-8% (with 5, pull and cache_aware
+# both passed 27 and failed 40.5 req/s, too coarse to tell a 1.1x apart).
+search=(--growth 1.5 --max-probes 7 --rel-tol 0.04)
+# Probe sizes are set so a probe lasts seconds at the capacities of the current
+# engine (near 100 req/s here; with 128 requests a probe, as before, it lasted 1.4 s).
+# 8 groups x 768-token system prompt (384 blocks), 64 questions each: 512 requests
+shared=(--replica-arg=--num-blocks --replica-arg=256 --workload shared-prefix --groups 8 --questions 64
+        --system-len 768 --prompt-dist uniform --prompt-min 16 --prompt-max 64 --output-len 16 --initial-rate 45)
+# 256 conversations x 4 turns after a 256-token system prompt; rates are conversations/s
+# (enough conversations that their start rate, not their number, sets the load). At
+# 20 conversations/s about 40 are under way, their histories (up to ~900 tokens)
+# about 25k tokens: with 256 blocks (as shared has) a replica held little beyond its
+# running sequences (pull and pull FIFO: 20.25 and 21.5 conversations/s, seed 1).
+chat=(--replica-arg=--num-blocks --replica-arg=1536 --workload multi-turn --conversations 256 --turns 4
+      --system-len 256 --prompt-dist uniform --prompt-min 64 --prompt-max 192 --output-len 32 --initial-rate 9)
 bench() { flock /tmp/quadriga-bench.lock "$PY" -m benchmarks "$@"; }
 # A run whose JSON is there and complete is not run again: the script can be resumed.
 done_already() {
