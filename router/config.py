@@ -52,9 +52,10 @@ class RouterConfig:
     prefix_metrics: str = "policy"     # policy: for policies that use the cache; all: every placement
     pull_affinity_window: int = 32     # oldest queued requests a Pull chooses among; 0: strict FIFO
     pull_affinity_max_wait: float = 2.0   # seconds; a request waiting longer is served first, in order
-    # A second's wait is worth this x the puller's prefill tokens/s. Below 1: a spilled
-    # request's prefix is then cached twice, evicting others, which costs more than the
-    # prefill it redoes (docs/router.md, "pull with affinity").
+    # A second's wait is worth this x the puller's prefill tokens/s. 0.25, not the
+    # cost-neutral 1: a request taken from a busy holder has its prefix cached twice,
+    # evicting others, which cost more than the prefill it redoes (docs/router.md,
+    # "pull with affinity", as measured).
     pull_affinity_wait_weight: float = 0.25
     cache_aware_balance_abs: int = 8192    # outstanding tokens over the least loaded replica's ...
     cache_aware_balance_rel: float = 1.5   # ... and this many times it: go to the least loaded

@@ -2,9 +2,12 @@
 measured prefill speed. The policy on its own, with a real index and a clock
 set by hand; and the rate as the router measures it from replicas' steps."""
 
+import dataclasses
+
 import pytest
 
 from common.block_hash import BlockHasher
+from router.config import RouterConfig
 from router.prefix.index import PrefixIndex
 from router.prefix.matcher import PrefixMatcher
 from router.replicas.prefill_rate import PrefillRate
@@ -49,8 +52,9 @@ def test_a_second_of_waiting_weighs_the_pullers_prefill_rate_in_cached_tokens(po
 
 
 def test_the_wait_weight_scales_what_a_second_of_waiting_is_worth(monkeypatch):
-    policy = pull_with_weight(monkeypatch, PolicySettings().affinity_wait_weight)
-    assert PolicySettings().affinity_wait_weight == 0.25
+    default = {f.name: f.default for f in dataclasses.fields(RouterConfig)}["pull_affinity_wait_weight"]
+    assert default == PolicySettings().affinity_wait_weight == 0.25   # the two defaults agree
+    policy = pull_with_weight(monkeypatch, default)
     r1 = Replica("r1", 1000.0)          # at 0.25, 64 cached tokens are worth 256 ms of waiting
     warm = Req("warm", SHARED + [1, 2], 0, NOW)
     queue(policy, Req("cold", [9] * 30, 0, NOW - 0.200), warm)
