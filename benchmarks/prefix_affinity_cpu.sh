@@ -37,15 +37,15 @@ common=(--start-stack --replicas 2 --model "$MODEL" --replica-arg=--load-format 
 # both passed 27 and failed 40.5 req/s, too coarse to tell a 1.1x apart).
 search=(--growth 1.5 --max-probes 7 --rel-tol 0.04)
 # Probe sizes are set so a probe lasts seconds at the capacities of the current
-# engine (near 100 req/s here; with 128 requests a probe, as before, it lasted 1.4 s).
+# engine (near 100 req/s here; 128 requests a probe, as before, last about 1.3 s).
 # 8 groups x 768-token system prompt (384 blocks), 64 questions each: 512 requests
 shared=(--replica-arg=--num-blocks --replica-arg=256 --workload shared-prefix --groups 8 --questions 64
         --system-len 768 --prompt-dist uniform --prompt-min 16 --prompt-max 64 --output-len 16 --initial-rate 45)
 # 256 conversations x 4 turns after a 256-token system prompt; rates are conversations/s
 # (enough conversations that their start rate, not their number, sets the load). At
 # 20 conversations/s about 40 are under way, their histories (up to ~900 tokens)
-# about 25k tokens: with 256 blocks (as shared has) a replica held little beyond its
-# running sequences (pull and pull FIFO: 20.25 and 21.5 conversations/s, seed 1).
+# about 25k tokens: with 256 blocks (as shared has) a replica holds little beyond its
+# 8 running sequences.
 chat=(--replica-arg=--num-blocks --replica-arg=1536 --workload multi-turn --conversations 256 --turns 4
       --system-len 256 --prompt-dist uniform --prompt-min 64 --prompt-max 192 --output-len 32 --initial-rate 9)
 bench() { flock /tmp/quadriga-bench.lock "$PY" -m benchmarks "$@"; }
