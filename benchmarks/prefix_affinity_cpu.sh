@@ -33,7 +33,7 @@ common=(--start-stack --replicas 2 --model "$MODEL" --replica-arg=--load-format 
         --replica-arg=--max-num-seqs --replica-arg=8
         --replica-arg=--chunk-size --replica-arg=256 --output-dist fixed
         --tbt-slo 0.25 --ttft-p99-slo 2 --warmup 4 --hardware none --no-progress --out-dir "$TMP")
-# Seven probes: the bracket then closes to 4-8% (with 5, pull and cache_aware
+# Seven probes: the bracket then closes to 2-6% (with 5, pull and cache_aware
 # both passed 27 and failed 40.5 req/s, too coarse to tell a 1.1x apart).
 search=(--growth 1.5 --max-probes 7 --rel-tol 0.04)
 # Probe sizes are set so a probe lasts seconds at the capacities of the current
