@@ -9,23 +9,14 @@
 #   OUT=benchmarks/results/prefix_cpu/wait_weight bash benchmarks/prefix_wait_weight_cpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
 OUT=${OUT:?give OUT}
 REPEATS=${REPEATS:-3}
 WEIGHTS=${WEIGHTS:-"1 0.25 0.1"}
-MODEL=${MODEL:-benchmarks/results/tmp/cpu-small}
-[ -f "$MODEL/config.json" ] || "$PY" -m benchmarks model-dir "$MODEL" --shape cpu-small >/dev/null
+source benchmarks/prefix_cpu_common.sh
 mkdir -p "$OUT"
-common=(--start-stack --replicas 2 --model "$MODEL" --replica-arg=--load-format --replica-arg=dummy
-        --replica-arg=--max-num-seqs --replica-arg=8 --replica-arg=--chunk-size --replica-arg=256
-        --output-dist fixed --tbt-slo 0.25 --ttft-p99-slo 2 --warmup 4 --hardware none --no-progress
-        --out-dir benchmarks/results/tmp/prefix_cpu --growth 1.125 --max-probes 5 --rel-tol 0.04)
-shared=(--replica-arg=--num-blocks --replica-arg=256 --workload shared-prefix --groups 8 --questions 64
-        --system-len 768 --prompt-dist uniform --prompt-min 16 --prompt-max 64 --output-len 16
-        --initial-rate 101.25 --seed 2)
-chat=(--replica-arg=--num-blocks --replica-arg=1536 --workload multi-turn --conversations 256 --turns 4
-      --system-len 256 --prompt-dist uniform --prompt-min 64 --prompt-max 192 --output-len 32
-      --initial-rate 20.25 --seed 1)
+common=("${stack_args[@]}" --growth 1.125 --max-probes 5 --rel-tol 0.04)
+shared=("${shared_workload[@]}" --initial-rate 101.25 --seed 2)
+chat=("${chat_workload[@]}" --initial-rate 20.25 --seed 1)
 run() { name=$1; shift; flock /tmp/quadriga-bench.lock "$PY" -m benchmarks capacity "${common[@]}" "$@" \
           --name "$name" --summary-dir "$OUT"; }
 weight() { echo --router-arg=--pull-affinity-wait-weight --router-arg="$1"; }
