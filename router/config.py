@@ -9,7 +9,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from router.scheduling.policies.base import PolicySettings
+
 ENV_PREFIX = "QUADRIGA_"
+_POLICY_DEFAULTS = PolicySettings()
 
 
 @dataclass(frozen=True)
@@ -50,15 +53,13 @@ class RouterConfig:
     # pull's choice among the oldest queued requests, cache_aware's balance.
     prefix_index_max_entries: int = 1_000_000   # (replica, block) entries, ~200 bytes each
     prefix_metrics: str = "policy"     # policy: for policies that use the cache; all: every placement
-    pull_affinity_window: int = 32     # oldest queued requests a Pull chooses among; 0: strict FIFO
-    pull_affinity_max_wait: float = 2.0   # seconds; a request waiting longer is served first, in order
-    # A second's wait is worth this x the puller's prefill tokens/s. 0.25, not the
-    # cost-neutral 1: a request taken from a busy holder has its prefix cached twice,
-    # evicting others, which cost more than the prefill it redoes (docs/router.md,
-    # "pull with affinity", as measured).
-    pull_affinity_wait_weight: float = 0.25
-    cache_aware_balance_abs: int = 8192    # outstanding tokens over the least loaded replica's ...
-    cache_aware_balance_rel: float = 1.5   # ... and this many times it: go to the least loaded
+    # The defaults are PolicySettings' (router/scheduling/policies/base.py), which
+    # says what each means; they are defined there only.
+    pull_affinity_window: int = _POLICY_DEFAULTS.affinity_window
+    pull_affinity_max_wait: float = _POLICY_DEFAULTS.affinity_max_wait
+    pull_affinity_wait_weight: float = _POLICY_DEFAULTS.affinity_wait_weight
+    cache_aware_balance_abs: int = _POLICY_DEFAULTS.balance_abs
+    cache_aware_balance_rel: float = _POLICY_DEFAULTS.balance_rel
 
     def __post_init__(self) -> None:
         from router.scheduling.policies import POLICIES

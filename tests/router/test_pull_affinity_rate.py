@@ -53,7 +53,7 @@ def test_a_second_of_waiting_weighs_the_pullers_prefill_rate_in_cached_tokens(po
 
 def test_the_wait_weight_scales_what_a_second_of_waiting_is_worth(monkeypatch):
     default = {f.name: f.default for f in dataclasses.fields(RouterConfig)}["pull_affinity_wait_weight"]
-    assert default == PolicySettings().affinity_wait_weight == 0.25   # the two defaults agree
+    assert default == PolicySettings().affinity_wait_weight == 0.25   # the router takes the policy default
     policy = pull_with_weight(monkeypatch, default)
     r1 = Replica("r1", 1000.0)          # at 0.25, 64 cached tokens are worth 256 ms of waiting
     warm = Req("warm", SHARED + [1, 2], 0, NOW)

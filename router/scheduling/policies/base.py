@@ -40,11 +40,17 @@ class PolicyContext(Protocol):
 
 @dataclass(frozen=True)
 class PolicySettings:
-    """The knobs of the cache-affine policies (RouterConfig's fields of the same meaning)."""
+    """The knobs of the cache-affine policies, and their defaults: RouterConfig's
+    fields of the same meaning (pull_affinity_*, cache_aware_balance_*) take theirs
+    from here."""
 
     affinity_window: int = 32          # pull: oldest queued requests a Pull chooses among; 0: FIFO
     affinity_max_wait: float = 2.0     # pull: seconds after which a request is served first, in order
-    affinity_wait_weight: float = 0.25  # pull: a second's wait is worth this x the puller's prefill tokens/s
+    # pull: a second's wait is worth this x the puller's prefill tokens/s. 0.25, not
+    # the cost-neutral 1: a request taken from a busy holder has its prefix cached
+    # twice, evicting others, which costs more than the prefill it redoes
+    # (docs/router.md, "pull with affinity", as measured).
+    affinity_wait_weight: float = 0.25
     balance_abs: int = 8192            # cache_aware: outstanding tokens over the least loaded ...
     balance_rel: float = 1.5           # ... and this many times its load: least loaded instead
 
