@@ -20,7 +20,8 @@ class Metrics:
                                     buckets=_LATENCY, registry=r)
         self.ttft = Histogram("quadriga_ttft_seconds", "Accepted to first token",
                               buckets=_LATENCY, registry=r)
-        self.tbt = Histogram("quadriga_tbt_seconds", "Gap between token deliveries per request",
+        self.tbt = Histogram("quadriga_tbt_seconds",
+                             "Gap between token deliveries per request, over the tokens delivered",
                              buckets=_TBT, registry=r)
         self.e2e = Histogram("quadriga_e2e_seconds", "Accepted to finished",
                              buckets=_LATENCY, registry=r)

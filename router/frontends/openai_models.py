@@ -14,10 +14,17 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.requests.spec import RequestSpec, Sampling
-from router.validation import invalid
+from router.validation import MAX_STREAM_INTERVAL, invalid
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 MAX_N = 128
+# A call that is answered whole (stream: false) needs no token before its end, so
+# its requests ask the replica to coalesce as far as it will: the first token goes
+# at once (it times the TTFT), the rest in one message at the finish (or every
+# 4096 tokens). The router then handles two deltas a request, not one a token.
+# The cost: a replica that dies mid-answer takes its unsent tokens with it, and
+# the request resumes elsewhere from the first (recomputed, not lost).
+WHOLE_ANSWER_STREAM_INTERVAL = MAX_STREAM_INTERVAL
 
 
 class StreamOptions(BaseModel):
@@ -151,6 +158,7 @@ def _expand(body: _Common, prompts, sampling: Sampling, request_id: str) -> list
     from common.seeds import derived_seed
 
     specs = []
+    interval = 0 if body.stream else WHOLE_ANSWER_STREAM_INTERVAL   # 0: the router's default
     many = len(prompts) * body.n > 1
     for j, prompt in enumerate(prompts):
         for k in range(body.n):
@@ -160,7 +168,7 @@ def _expand(body: _Common, prompts, sampling: Sampling, request_id: str) -> list
             rid = f"{request_id}-{index}" if request_id and many else request_id
             text, ids = (prompt, ()) if isinstance(prompt, str) else ("", prompt)
             specs.append(RequestSpec(request_id=rid, prompt=text, prompt_token_ids=ids,
-                                     sampling=s, priority=body.priority))
+                                     sampling=s, priority=body.priority, stream_interval=interval))
     return specs
 
 

@@ -337,8 +337,8 @@ class RequestTable(CrossRouter):
         tok_offset, txt_offset = 4 * len(req.tokens), req.text_bytes
         ft = fs = ""
         if tokens:
-            if req.first_token_at:
-                metrics.tbt.observe(now - req.last_token_at)
+            if req.first_token_at:   # per token: a coalesced delta carries several
+                metrics.tbt.observe((now - req.last_token_at) / len(tokens))
             else:
                 metrics.ttft.observe(now - req.arrival)
                 req.first_token_at = now

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.redis_server import free_port
 from common.tokenizer import load_tokenizer
@@ -23,8 +24,10 @@ from tests.support.live_stack import LiveStack
 def stack(tmp_path_factory, redis_server, tiny_model):
     st = LiveStack(tmp_path_factory.mktemp("openai"), redis_server.url, str(tiny_model),
                    router_args=("--http-port", str(free_port()), "--redis-prefix",
-                                f"oa{uuid.uuid4().hex[:6]}:", "--queue-limit", "64"))
+                                f"oa{uuid.uuid4().hex[:6]}:", "--queue-limit", "64",
+                                "--metrics-port", str(free_port())))
     st.http_port = int(st.router_args[1])
+    st.metrics_port = int(st.router_args[-1])
     st.start_router()
     st.start_replica("r0", "--max-num-seqs", "8")
     yield st
@@ -101,6 +104,30 @@ def test_chat_streaming_and_not(stack, sdk, tiny_model, tok):
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def router_sample(stack, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def test_a_call_answered_whole_reaches_the_router_in_two_deliveries(stack, sdk, tiny_model, tok):
+    """stream: false asks the replica to hold every token after the first until the
+    finish; a stream gets one delivery a token. quadriga_tbt_seconds counts one gap
+    per delivery after a request's first."""
+    prompt, n = [7, 8, 9], 24
+    expected = greedy_text(tiny_model, tok, prompt, n)
+    gaps = router_sample(stack, "quadriga_tbt_seconds_count")
+    whole = sdk.completions.create(model=model_name(stack), prompt=prompt, max_tokens=n,
+                                   temperature=0, extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == expected and whole.usage.completion_tokens == n
+    whole_gaps = router_sample(stack, "quadriga_tbt_seconds_count") - gaps
+    streamed = sdk.completions.create(model=model_name(stack), prompt=prompt, max_tokens=n,
+                                      temperature=0, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+    stream_gaps = router_sample(stack, "quadriga_tbt_seconds_count") - gaps - whole_gaps
+    assert whole_gaps == 1
+    assert stream_gaps == n - 1
 
 
 def test_raw_sse_ends_with_done(stack):

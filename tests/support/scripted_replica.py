@@ -5,6 +5,10 @@ Output token i of a request = (sum(prompt_token_ids) + i) % vocab; text is
 f"<{token}>". It finishes with LENGTH after max_tokens and honours
 resume_token_ids by continuing the rule from len(resume_token_ids).
 
+Deltas are coalesced to each Assignment's stream_interval by the worker's own
+DeltaCoalescer (replica_worker/worker/coalescing.py), and a step whose deltas
+are all held sends no StepOutputs, as the real worker does.
+
 With prefix_cache it reports a fake prefix cache, a set of block hashes
 (common/block_hash.py): the whole set at every Register, then changes as KV
 events; `cached` is the set it starts with, store/evict/replace_cache change
@@ -31,6 +35,7 @@ from common.block_hash import SCHEME, BlockHasher
 from common.pb.quadriga.v1 import generation_pb2 as gpb
 from common.pb.quadriga.v1 import replica_pb2 as rpb
 from common.pb.quadriga.v1 import replica_pb2_grpc
+from replica_worker.worker.coalescing import DeltaCoalescer
 
 
 def expected_token(prompt_ids, i: int, vocab: int) -> int:
@@ -96,6 +101,7 @@ class ScriptedReplica:
         self.running: dict[str, Run] = {}
         self.waiting: dict[str, Run] = {}
         self.steps = 0
+        self.coalescer = DeltaCoalescer()
         self._outstanding = 0
         self._out: asyncio.Queue | None = None
         self._work = asyncio.Event()
@@ -158,6 +164,9 @@ class ScriptedReplica:
         self._send(rpb.ReplicaMessage(step=rpb.StepOutputs(kv_events=events)))
 
     def hand_back(self, ids) -> None:
+        held = self.coalescer.release(ids)   # sent before the requests go, as the worker does
+        if held:
+            self._send(rpb.ReplicaMessage(step=rpb.StepOutputs(step_id=self.steps, deltas=held)))
         for rid in ids:
             self.running.pop(rid, None)
             self.waiting.pop(rid, None)
@@ -211,12 +220,14 @@ class ScriptedReplica:
             for pool in (self.running, self.waiting):
                 for rid in [r for r in pool if r not in keep]:
                     del pool[rid]
+            self.coalescer.retain(keep)
             self._outstanding = 0
             self.connected.set()
             self._maybe_pull()
         elif kind == "assign":
             for a in msg.assign.assignments:
                 self.rec.assignments.append(a)
+                self.coalescer.assigned(a.request_id, a.stream_interval)
                 mt = a.sampling.max_tokens if a.sampling.HasField("max_tokens") else (
                     self.knobs.max_model_len - len(a.prompt_token_ids))
                 run = Run(a, len(a.resume_token_ids), mt, sum(a.prompt_token_ids))
@@ -229,6 +240,7 @@ class ScriptedReplica:
                 self.rec.cancels.append(rid)
                 self.running.pop(rid, None)
                 self.waiting.pop(rid, None)
+            self.coalescer.retain(set(self.running) | set(self.waiting))
             self._maybe_pull()
         elif kind == "ack":
             self.rec.acks.append((time.monotonic(), msg.ack.step_id))
@@ -281,7 +293,8 @@ class ScriptedReplica:
                 self.rec.step_pulls.append((room, k.pull_tokens))
                 step.pull.CopyFrom(self._pull_pb(room, k.pull_tokens))
                 room = 0
-            self._send(rpb.ReplicaMessage(step=step))
+            if step.deltas or step.HasField("pull") or step.HasField("kv_events"):
+                self._send(rpb.ReplicaMessage(step=step))
             self.steps += 1
             self._after_step(call)
             if room:
@@ -291,21 +304,26 @@ class ScriptedReplica:
         k = self.knobs
         step = rpb.StepOutputs(step_id=self.steps, batch_size=len(self.running))
         stored = []
+        computed = 0
         for rid, run in list(self.running.items()):
             if k.cache_prompts and run.next_index == len(run.assignment.resume_token_ids):
                 stored += self.hasher.hashes(list(run.assignment.prompt_token_ids))
             n = min(k.tokens_per_step, run.max_tokens - run.next_index)
             toks = [(run.sum_prompt + run.next_index + j) % k.vocab for j in range(n)]
-            d = step.deltas.add(request_id=rid, token_ids=toks, output_offset=run.next_index,
-                                text="".join(f"<{t}>" for t in toks))
+            computed += n
+            d = rpb.RequestDelta(request_id=rid, token_ids=toks, output_offset=run.next_index,
+                                 text="".join(f"<{t}>" for t in toks))
             run.next_index += n
             if run.next_index >= run.max_tokens:
                 d.finish_reason = gpb.FINISH_REASON_LENGTH
                 del self.running[rid]
+            sent = self.coalescer.offer(d)
+            if sent is not None:
+                step.deltas.append(sent)
         while self.waiting and len(self.running) < k.capacity:
             rid = next(iter(self.waiting))
             self.running[rid] = self.waiting.pop(rid)
-        step.num_tokens = sum(len(d.token_ids) for d in step.deltas)
+        step.num_tokens = computed
         if stored:
             self.cache.update(stored)
             step.kv_events.stored.extend(stored)
