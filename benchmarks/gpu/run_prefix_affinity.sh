@@ -33,8 +33,10 @@
 #   chat    128 conversations of 4 turns after a shared 1024-token system prompt,
 #           messages of 512-1536 tokens, 64-token answers, conversations starting at
 #           the probe's rate: 512 requests a probe, about 550k tokens of histories
-# SHARED_FROM / CHAT_FROM (req/s and conversations/s) start each search; SEED; SUFFIX is
-# appended to result names. A dry run on a CPU (checks the script, not the figures):
+# SHARED_FROM / CHAT_FROM (req/s and conversations/s) start each search, FROM_<policy>
+# (e.g. FROM_pull_fifo=5) one policy's search; GROWTH (default 1.5) is the search's step;
+# POLICIES (e.g. "pull cache_aware") replaces the phase's pair, the workload and cache
+# setting staying the phase's; SEED; SUFFIX is appended to result names. A dry run on a CPU (checks the script, not the figures):
 #   MODEL_DIR=<python -m benchmarks model-dir D --shape cpu-small> DEVICE=cpu NO_CARRY=1
 #   NUM_BLOCKS=256 PYTHON=.venv/bin/python BUDGET_S=120 SHARED_FROM=6 CHAT_FROM=1
 #   EXTRA_ARGS="--groups 8 --system-len 256 --prompt-min 16 --prompt-max 64 --conversations 8" ...
@@ -54,6 +56,7 @@ case $phase in
   chat-push)   workload=chat; policies=(round_robin cache_aware); cache=on ;;
   *) die "unknown phase '$phase' (cache, shared-pull, shared-push, chat-pull, chat-push)" ;;
 esac
+[ -n "${POLICIES:-}" ] && read -r -a policies <<<"$POLICIES"
 
 if [ -d .carry ] && [ -z "${NO_CARRY:-}" ] && [ -z "${CARRY_SOURCED:-}" ]; then
   source benchmarks/gpu/device-env.sh .carry && export CARRY_SOURCED=1
@@ -89,22 +92,25 @@ cleanup() {  # stacks run in their own sessions: a run cut by timeout leaves the
 cleanup
 
 shared=(--workload shared-prefix --groups 128 --questions 6 --system-len 4096 --prompt-dist uniform
-        --prompt-min 128 --prompt-max 512 --initial-rate "${SHARED_FROM:-24}")
+        --prompt-min 128 --prompt-max 512)
 chat=(--workload multi-turn --conversations 128 --turns 4 --system-len 1024 --prompt-dist uniform
-      --prompt-min 512 --prompt-max 1536 --initial-rate "${CHAT_FROM:-4}")
+      --prompt-min 512 --prompt-max 1536)
+[ "$workload" = shared ] && default_from=${SHARED_FROM:-24} || default_from=${CHAT_FROM:-4}
 declare -n shape=$workload
 off=(); [ "$cache" = off ] && off=(--replica-arg=--no-prefix-caching)
 common=(--start-stack --replicas 2 --stack-arg=--replica-gpus=0,0 --device "$device" --model "$model"
         --hardware h200 --replica-arg=--load-format --replica-arg=dummy
         --replica-arg=--num-blocks --replica-arg="$NUM_BLOCKS" --replica-arg=--max-num-seqs --replica-arg=256
         --replica-arg=--chunk-size --replica-arg=2048 "${off[@]}" "${shape[@]}" --output-dist fixed
-        --output-len 64 --tbt-slo 0.1 --ttft-p99-slo 2 --growth 1.5 --max-probes 5 --rel-tol 0.08
+        --output-len 64 --tbt-slo 0.1 --ttft-p99-slo 2 --growth "${GROWTH:-1.5}" --max-probes 5 --rel-tol 0.08
         --seed "${SEED:-1}" --no-progress --summary-dir "$out" ${EXTRA_ARGS:-})
 
 for policy in "${policies[@]}"; do
   name=h200_prefix_${workload}_${policy}_cache${cache}${SUFFIX:-}
-  echo "== $name: python -m benchmarks capacity --policy $policy ${common[*]}" >>"$out/$name.log"
-  timeout -s INT -k 30 "$budget" $PY -m benchmarks capacity --policy "$policy" "${common[@]}" \
+  from_var=FROM_$policy
+  from=${!from_var:-$default_from}
+  echo "== $name: python -m benchmarks capacity --policy $policy --initial-rate $from ${common[*]}" >>"$out/$name.log"
+  timeout -s INT -k 30 "$budget" $PY -m benchmarks capacity --policy "$policy" --initial-rate "$from" "${common[@]}" \
     --name "$name" --out-dir "$out/harness/$name" --stack-log-dir "/tmp/stack-logs/$name" >>"$out/$name.log" 2>&1
   rc=$?
   echo "== $name: exit $rc" >>"$out/$name.log"
