@@ -36,7 +36,9 @@
 # SHARED_FROM / CHAT_FROM (req/s and conversations/s) start each search, FROM_<policy>
 # (e.g. FROM_pull_fifo=5) one policy's search; GROWTH (default 1.5) is the search's step;
 # POLICIES (e.g. "pull cache_aware") replaces the phase's pair, the workload and cache
-# setting staying the phase's; SEED; SUFFIX is appended to result names. A dry run on a CPU (checks the script, not the figures):
+# setting staying the phase's; PRIME=1 sends each system prompt once before the first
+# probe (the harness's --prime), so a search that starts near its bracket does not meet
+# cold caches there; SEED; SUFFIX is appended to result names. A dry run on a CPU (checks the script, not the figures):
 #   MODEL_DIR=<python -m benchmarks model-dir D --shape cpu-small> DEVICE=cpu NO_CARRY=1
 #   NUM_BLOCKS=256 PYTHON=.venv/bin/python BUDGET_S=120 SHARED_FROM=6 CHAT_FROM=1
 #   EXTRA_ARGS="--groups 8 --system-len 256 --prompt-min 16 --prompt-max 64 --conversations 8" ...
@@ -98,12 +100,13 @@ chat=(--workload multi-turn --conversations 128 --turns 4 --system-len 1024 --pr
 [ "$workload" = shared ] && default_from=${SHARED_FROM:-24} || default_from=${CHAT_FROM:-4}
 declare -n shape=$workload
 off=(); [ "$cache" = off ] && off=(--replica-arg=--no-prefix-caching)
+prime=(); [ -n "${PRIME:-}" ] && prime=(--prime)
 common=(--start-stack --replicas 2 --stack-arg=--replica-gpus=0,0 --device "$device" --model "$model"
         --hardware h200 --replica-arg=--load-format --replica-arg=dummy
         --replica-arg=--num-blocks --replica-arg="$NUM_BLOCKS" --replica-arg=--max-num-seqs --replica-arg=256
         --replica-arg=--chunk-size --replica-arg=2048 "${off[@]}" "${shape[@]}" --output-dist fixed
         --output-len 64 --tbt-slo 0.1 --ttft-p99-slo 2 --growth "${GROWTH:-1.5}" --max-probes 5 --rel-tol 0.08
-        --seed "${SEED:-1}" --no-progress --summary-dir "$out" ${EXTRA_ARGS:-})
+        --seed "${SEED:-1}" --no-progress --summary-dir "$out" "${prime[@]}" ${EXTRA_ARGS:-})
 
 for policy in "${policies[@]}"; do
   name=h200_prefix_${workload}_${policy}_cache${cache}${SUFFIX:-}

@@ -26,7 +26,7 @@ from benchmarks.harness import capacity as cap
 from benchmarks.harness import metrics as M
 from benchmarks.harness import plots, prefix_report, prefix_stats, repeats, roofline
 from benchmarks.harness.loadgen import run_requests
-from benchmarks.harness.prefix_workloads import reusable_tokens
+from benchmarks.harness.prefix_workloads import priming, reusable_tokens
 from benchmarks.harness.stack import Stack
 from benchmarks.harness.workload import (PREFIX_WORKLOADS, PRESETS, WorkloadSpec, generate,
                                          vocab_size_of)
@@ -95,6 +95,10 @@ def add_target_args(p):
     g.add_argument("--stream-interval", type=int, default=1)
     g.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     g.add_argument("--warmup", type=int, default=4, help="unmeasured requests sent first (per stack)")
+    g.add_argument("--prime", action="store_true",
+                   help="shared-prefix and multi-turn: send each shared system prompt once, "
+                        "unmeasured, after the warm-up, so the first probe meets caches as warm "
+                        "as the later ones do (per stack)")
     g.add_argument("--no-progress", action="store_true")
 
 
@@ -296,6 +300,10 @@ class Target:
             spec.prompt_dist = spec.output_dist = "fixed"
             spec.prompt_len, spec.output_len = 32, 8
             self.run(generate(spec, rate=0), "warmup", progress=False)
+        if getattr(a, "prime", False) and a.workload in PREFIX_WORKLOADS:
+            primed = priming(spec_from(a, self.model))
+            log(f"priming the caches with {len(primed)} shared prefixes")
+            self.run(primed, "prime", progress=False)
         return self
 
     def run(self, requests, label: str, progress: bool = True):

@@ -16,6 +16,8 @@ multi-turn: C conversations of T turns. A conversation starts at a Poisson
 
 from __future__ import annotations
 
+import numpy as np
+
 from benchmarks.harness.workload import Request, arrivals, synthetic_lengths
 
 
@@ -75,6 +77,20 @@ def multi_turn(spec, rate, rng_len, rng_arr, rng_tok) -> list[Request]:
     for i, r in enumerate(reqs):
         r.index = i
     return reqs
+
+
+def priming(spec) -> list[Request]:
+    """One request per shared prefix of the workload (each group's system prompt, or
+    the system prompt every conversation starts with) and one more token, for one
+    output token: sent once before measuring, it leaves the replicas' caches as
+    warm as a probe after the first finds them (the probes of a search offer the
+    same prompts). Questions and conversation turns are not sent, so their own
+    tokens are not cached. Token ids are drawn as generate() draws them."""
+    rng_tok = np.random.default_rng([spec.seed, 3])
+    count = spec.groups if spec.workload == "shared-prefix" else 1
+    systems = [_tokens(rng_tok, spec.system_len, spec.vocab_size) for _ in range(count)]
+    return [Request(i, 0.0, len(system) + 1, 1, system + [3]) for i, system in enumerate(systems)
+            if system]
 
 
 def conversations(requests) -> tuple[list, list[list]]:

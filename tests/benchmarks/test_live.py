@@ -64,3 +64,20 @@ def test_harness_multi_turn_builds_each_turn_from_the_answers(tmp_path):
     hits = s["prefix_cache"]
     assert hits["engine_hit_rate"] > 0 and hits["oracle_hit_rate"] >= hits["router_hit_rate"] > 0
     assert 0 < s["workload_reusable_prompt_share"] < 1
+
+
+def test_priming_caches_every_shared_prefix_before_the_measured_run(tmp_path):
+    """3 groups of a 64-token system prompt (4 blocks), 2 questions each: primed,
+    every request finds its whole system prompt cached (6 x 64 tokens); unprimed,
+    each group's first request finds nothing of it."""
+    shape = ("--workload", "shared-prefix", "--groups", "3", "--questions", "2", "--system-len", "64",
+             "--rate", "50")
+    hits = {}
+    for label, extra in (("primed", ("--prime",)), ("cold", ())):
+        out = tmp_path / label
+        out.mkdir()
+        s = _harness(out, "run", *shape, *extra)["summary"]
+        assert s["requests"] == s["exact_output_length"] == 6, s
+        hits[label] = s["prefix_cache"]["engine_hit_tokens"]
+    assert hits["primed"] == 6 * 64
+    assert hits["cold"] <= 3 * 64

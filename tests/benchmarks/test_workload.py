@@ -138,3 +138,20 @@ def test_multi_turn_prompt_lengths_add_up_turn_by_turn():
     # Reusable: the system prompt after the first conversation, and all earlier turns.
     expected = 2 * 10 + sum(t.prompt_len - len(t.prompt_token_ids) for c in chains for t in c[1:])
     assert reusable_tokens(reqs, 10) == expected
+
+
+def test_priming_sends_each_shared_system_prompt_once_and_nothing_else():
+    from benchmarks.harness.prefix_workloads import priming
+
+    shared = WorkloadSpec(workload="shared-prefix", groups=4, questions=5, system_len=24, prompt_len=6,
+                          output_len=3, rate=10.0, vocab_size=200, seed=2)
+    systems = {tuple(r.prompt_token_ids[:24]) for r in generate(shared)}
+    primed = priming(shared)
+    assert {tuple(r.prompt_token_ids[:24]) for r in primed} == systems and len(primed) == 4
+    assert all(r.prompt_len == 25 == len(r.prompt_token_ids) and r.output_len == 1 for r in primed)
+    chat = WorkloadSpec(workload="multi-turn", conversations=3, turns=2, system_len=10, prompt_len=4,
+                        output_len=5, rate=2.0, vocab_size=100, seed=4)
+    [first] = priming(chat)
+    assert all(r.prompt_token_ids[:10] == first.prompt_token_ids[:10]
+               for r in generate(chat) if r.turn == 0)
+    assert priming(WorkloadSpec(**{**chat.describe(), "system_len": 0})) == []
