@@ -20,34 +20,18 @@
 # into $OUT/targets.json. Per-request CSVs and plots go to benchmarks/results/tmp/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
 OUT=${OUT:-benchmarks/results/prefix_cpu}
 SEEDS=${SEEDS:-"1 2 3"}
 WORKLOADS=${WORKLOADS:-"shared chat"}
 CAPACITY_POLICIES=${CAPACITY_POLICIES:-"pull pull_fifo cache_aware round_robin"}
 POLICIES=${POLICIES:-"pull pull_fifo cache_aware least_outstanding round_robin"}
-MODEL=${MODEL:-benchmarks/results/tmp/cpu-small}
-TMP=benchmarks/results/tmp/prefix_cpu
-[ -f "$MODEL/config.json" ] || "$PY" -m benchmarks model-dir "$MODEL" --shape cpu-small >/dev/null
-common=(--start-stack --replicas 2 --model "$MODEL" --replica-arg=--load-format --replica-arg=dummy
-        --replica-arg=--max-num-seqs --replica-arg=8
-        --replica-arg=--chunk-size --replica-arg=256 --output-dist fixed
-        --tbt-slo 0.25 --ttft-p99-slo 2 --warmup 4 --hardware none --no-progress --out-dir "$TMP")
+source benchmarks/prefix_cpu_common.sh   # PY, MODEL, stack_args, shared_workload, chat_workload
+common=("${stack_args[@]}")
 # Seven probes: the bracket then closes to 2-6% (with 5, pull and cache_aware
 # both passed 27 and failed 40.5 req/s, too coarse to tell a 1.1x apart).
 search=(--growth 1.5 --max-probes 7 --rel-tol 0.04)
-# Probe sizes are set so a probe lasts seconds at the capacities of the current
-# engine (near 100 req/s here; 128 requests a probe, as before, last about 1.3 s).
-# 8 groups x 768-token system prompt (384 blocks), 64 questions each: 512 requests
-shared=(--replica-arg=--num-blocks --replica-arg=256 --workload shared-prefix --groups 8 --questions 64
-        --system-len 768 --prompt-dist uniform --prompt-min 16 --prompt-max 64 --output-len 16 --initial-rate 45)
-# 256 conversations x 4 turns after a 256-token system prompt; rates are conversations/s
-# (enough conversations that their start rate, not their number, sets the load). At
-# 20 conversations/s about 40 are under way, their histories (up to ~900 tokens)
-# about 25k tokens: with 256 blocks (as shared has) a replica holds little beyond its
-# 8 running sequences.
-chat=(--replica-arg=--num-blocks --replica-arg=1536 --workload multi-turn --conversations 256 --turns 4
-      --system-len 256 --prompt-dist uniform --prompt-min 64 --prompt-max 192 --output-len 32 --initial-rate 9)
+shared=("${shared_workload[@]}" --initial-rate 45)
+chat=("${chat_workload[@]}" --initial-rate 9)
 bench() { flock /tmp/quadriga-bench.lock "$PY" -m benchmarks "$@"; }
 # A run whose JSON is there and complete is not run again: the script can be resumed.
 done_already() {
