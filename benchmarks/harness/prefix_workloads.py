@@ -16,8 +16,6 @@ multi-turn: C conversations of T turns. A conversation starts at a Poisson
 
 from __future__ import annotations
 
-import numpy as np
-
 from benchmarks.harness.workload import Request, arrivals, synthetic_lengths
 
 
@@ -85,12 +83,14 @@ def priming(spec) -> list[Request]:
     output token: sent once before measuring, it leaves the replicas' caches as
     warm as a probe after the first finds them (the probes of a search offer the
     same prompts). Questions and conversation turns are not sent, so their own
-    tokens are not cached. Token ids are drawn as generate() draws them."""
-    rng_tok = np.random.default_rng([spec.seed, 3])
-    count = spec.groups if spec.workload == "shared-prefix" else 1
-    systems = [_tokens(rng_tok, spec.system_len, spec.vocab_size) for _ in range(count)]
-    return [Request(i, 0.0, len(system) + 1, 1, system + [3]) for i, system in enumerate(systems)
-            if system]
+    tokens are not cached. The prefixes are read off the workload itself."""
+    from benchmarks.harness.workload import generate
+
+    n = spec.system_len
+    if n <= 0:
+        return []
+    systems = dict.fromkeys(tuple(r.prompt_token_ids[:n]) for r in generate(spec) if r.turn == 0)
+    return [Request(i, 0.0, n + 1, 1, [*system, 3]) for i, system in enumerate(systems)]
 
 
 def conversations(requests) -> tuple[list, list[list]]:
