@@ -300,7 +300,7 @@ class Target:
             spec.prompt_dist = spec.output_dist = "fixed"
             spec.prompt_len, spec.output_len = 32, 8
             self.run(generate(spec, rate=0), "warmup", progress=False)
-        if getattr(a, "prime", False) and a.workload in PREFIX_WORKLOADS:
+        if a.prime and a.workload in PREFIX_WORKLOADS:
             primed = priming(spec_from(a, self.model))
             log(f"priming the caches with {len(primed)} shared prefixes")
             self.run(primed, "prime", progress=False)
