@@ -42,6 +42,34 @@ def test_replica_killed_mid_stream_loses_and_repeats_nothing(redis_url, tiny_mod
     arun(scenario())
 
 
+def test_a_replica_lost_mid_answer_with_held_tokens_is_resumed_after_what_it_sent(redis_url, tiny_model, arun):
+    """A request coalesced to the end (as an OpenAI call answered whole is) has
+    only its first token at the router while the replica holds the rest; when the
+    replica goes, the request resumes elsewhere after that token and ends exact."""
+
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            vocab = app.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            doomed = await reps.add("doomed", step_delay=0.01, fail_after_steps=4)
+            async with client(app.address) as stub:
+                prompts = [[i + 1, i + 2] for i in range(4)]
+                tasks = [asyncio.create_task(collect(stub, request(p, 12, stream_interval=4096)))
+                         for p in prompts]
+                await wait_until(lambda: doomed.steps >= 1)
+                healthy = await reps.add("healthy", step_delay=0.005)
+                results = await asyncio.gather(*tasks)
+            for p, msgs in zip(prompts, results):
+                assert tokens_of(msgs) == expected_tokens(p, 12, vocab)
+                assert msgs[-1].timings.replica_id == "healthy" and msgs[-1].timings.requeues >= 1
+            # The doomed replica computed 4 tokens of each but sent only the first.
+            resumed = {a.request_id: list(a.resume_token_ids) for a in healthy.rec.assignments}
+            assert resumed and all(len(ids) == 1 for ids in resumed.values()), resumed
+            await reps.close()
+
+    arun(scenario())
+
+
 def test_silent_replica_loses_its_lease(redis_url, tiny_model, arun):
     async def scenario():
         cfg = make_config(redis_url, tiny_model, lease_ttl=1.0, heartbeat_interval=0.25)
