@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("tree", type=Path)
     p.add_argument("rate", type=float)
     p.add_argument("--duration", type=float, default=4.0)
+    p.add_argument("--top", type=int, default=6, help="commands and scripts listed")
     args = p.parse_args(argv)
     import redis
 
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
         per_command[key].append(entry["duration"])
     print(f"{tree.name} rate {args.rate:g} added p50 {row['router_added_p50_ms']:.2f} "
           f"queue p50 {row['router_queue_p50_ms']:.2f}")
-    for key, took in sorted(per_command.items(), key=lambda kv: -sum(kv[1]))[:6]:
+    for key, took in sorted(per_command.items(), key=lambda kv: -sum(kv[1]))[:args.top]:
         took.sort()
         print(f"   {key} calls/req {len(took) / n:.2f} mean {sum(took) / len(took):.1f} "
               f"p50 {took[len(took) // 2]} us/req {sum(took) / n:.1f}")

@@ -55,8 +55,10 @@ def main(argv=None) -> int:
     server.start()
     try:
         r = redis.Redis(port=server.port)
+        # A live lease as either tree's fence reads it (the zset and hash, or the fence key).
         r.zadd("P:routers", {"rA": 1e12})
         r.hset("P:router:rA", "epoch", "7")
+        r.set("P:fence:rA", "7")
         shas = {name: r.script_load(step_script(tree)) for name, tree in trees.items()}
         samples = {name: [] for name in trees}
         for n in range(args.rounds):

@@ -81,36 +81,51 @@ SUBMIT_REPLY_ITEMS = 3
 # time (`pat`) record the global order of assignment (SUBMIT records `sat`,
 # when it was stored), and its other fronts hear that it left the queue ('a').
 # A pop that ran before (same token) takes nothing more and returns what it
-# took then (`again`: the pop's own body is skipped).
+# took then (`again`: the pop's own body is skipped; P pop:<token> holds the
+# ids it took, msgpacked).
 # take_from_head(n, budget): up to n from the head while token credit is left
 # (budget; -1: no limit) (head-of-line: queue order holds). The last request
 # taken may overrun the credit: a replica grants tokens for the prefill it can
 # start soon, and a prompt longer than that must still start on a replica with
-# room. cost_ = prompt + output so far (recomputed). Members whose request left
-# the queue are dropped.
+# room. A request's cost = prompt + output so far (recomputed). Members whose
+# request left the queue are dropped.
 # -> 5 per request: id, assignment count, requeues, output tokens so far, and
 #    its whole record (record_) when the caller is not one of its fronts (it
 #    may not hold it: lazy adoption), else ''; then the members left in the
 #    queue (stale ones too, so 0 proves it empty): a pop that emptied the queue
 #    spares the other pullers a pop that would find nothing.
+# A queued request's hash is read once (queued_fields: one HMGET of all a pop
+# needs), and a lease keeps what the reply needs.
 _POP_PRELUDE = """
 local prefix, replica = ARGV[1], ARGV[2]
 local done = prefix .. 'pop:' .. ARGV[5]
-local again = redis.call('EXISTS', done) == 1
+local prior = redis.call('GET', done)
+local again = prior ~= false
 local taken = {}
-if again then taken = redis.call('LRANGE', done, 0, -1) end
-local function lease(h, id, member)
+local leased = {}   -- id -> its reply (count, requeues, output length, caller is a front)
+if again then taken = cmsgpack.unpack(prior) end
+local function is_front(fe)
+  for _, r in ipairs(fronts_of_(fe)) do
+    if r == router_ then return true end
+  end
+  return false
+end
+local function output_len(id)
+  return math.floor(redis.call('STRLEN', prefix .. 'out:' .. id) / 4)
+end
+-- f: the request's queued_fields; out_len: its output_len
+local function lease(h, id, member, f, out_len)
   redis.call('ZREM', KEYS[1], member)
   redis.call('ZADD', KEYS[2], ARGV[3], id)
+  local count = (tonumber(f[5]) or 0) + 1
   redis.call('HSET', h, 'st', 'r', 'o', replica, 'q', '', 'asg', ARGV[4], 'br', router_,
-    'ao', redis.call('INCR', prefix .. 'ao'), 'pat', now_)
-  local count = redis.call('HINCRBY', h, 'n', 1)
-  tell_fronts_(h, 'k', 'a', 'id', id, 'n', count)
+    'ao', redis.call('INCR', prefix .. 'ao'), 'pat', now_, 'n', count)
+  tell_fronts_(f[7], 'k', 'a', 'id', id, 'n', count)
+  leased[id] = {count, f[6] or '0', out_len, is_front(f[7])}
   taken[#taken + 1] = id
 end
-local function cost_(h, id)
-  return tonumber(redis.call('HGET', h, 'pl'))
-    + math.floor(redis.call('STRLEN', prefix .. 'out:' .. id) / 4)
+local function queued_fields(h)
+  return redis.call('HMGET', h, 'st', 'q', 'm', 'pl', 'n', 'rq', 'fe')
 end
 local function take_from_head(n, budget)
   local limited = budget >= 0
@@ -118,31 +133,33 @@ local function take_from_head(n, budget)
   for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, n - 1)) do
     local id = string.sub(m, 30)
     local h = prefix .. 'req:' .. id
-    if redis.call('HGET', h, 'st') ~= 'q' then
+    local f = queued_fields(h)
+    if f[1] ~= 'q' then
       redis.call('ZREM', KEYS[1], m)
     else
       if limited and budget <= 0 then break end
-      budget = budget - cost_(h, id)
-      lease(h, id, m)
+      local out_len = output_len(id)
+      budget = budget - (tonumber(f[4]) + out_len)
+      lease(h, id, m, f, out_len)
     end
   end
 end
 local function reply()
   if #taken > 0 and not again then
-    redis.call('RPUSH', done, unpack(taken))
-    redis.call('EXPIRE', done, 300)
+    redis.call('SET', done, cmsgpack.pack(taken), 'EX', 300)
   end
   local out = {}
   for _, id in ipairs(taken) do
-    local h = prefix .. 'req:' .. id
-    local count, rq = unpack(redis.call('HMGET', h, 'n', 'rq'))
-    local mine = false
-    for _, r in ipairs(fronts_(h)) do mine = mine or r == router_ end
+    local r = leased[id]
+    if r == nil then   -- a retried pop: as Redis has it now
+      local count, rq, fe = unpack(redis.call('HMGET', prefix .. 'req:' .. id, 'n', 'rq', 'fe'))
+      r = {count or '0', rq or '0', output_len(id), is_front(fe)}
+    end
     out[#out + 1] = id
-    out[#out + 1] = count or '0'
-    out[#out + 1] = rq or '0'
-    out[#out + 1] = math.floor(redis.call('STRLEN', prefix .. 'out:' .. id) / 4)
-    if mine then out[#out + 1] = '' else out[#out + 1] = record_(id) end
+    out[#out + 1] = r[1]
+    out[#out + 1] = r[2]
+    out[#out + 1] = r[3]
+    if r[4] then out[#out + 1] = '' else out[#out + 1] = record_(id) end
   end
   out[#out + 1] = redis.call('ZCARD', KEYS[1])
   return out
@@ -193,10 +210,11 @@ if not again then
     if i > #ARGV then break end
     local id = ARGV[i]
     local h = prefix .. 'req:' .. id
-    local st, q, m = unpack(redis.call('HMGET', h, 'st', 'q', 'm'))
-    if st == 'q' and q == qname then
-      if budget >= 0 then budget = math.max(0, budget - cost_(h, id)) end
-      lease(h, id, m)
+    local f = queued_fields(h)
+    if f[1] == 'q' and f[2] == qname then
+      local out_len = output_len(id)
+      if budget >= 0 then budget = math.max(0, budget - (tonumber(f[4]) + out_len)) end
+      lease(h, id, f[3], f, out_len)
     end
     i = i + 1
   end
@@ -268,30 +286,38 @@ local written = {}
 for i = 3, #ARGV, 17 do
   local id = ARGV[i]
   local h = prefix .. 'req:' .. id
-  local st, n, br = unpack(redis.call('HMGET', h, 'st', 'n', 'br'))
+  local st, n, br, fe = unpack(redis.call('HMGET', h, 'st', 'n', 'br', 'fe'))
   if st == 'r' and n == ARGV[i + 16] and (br or '') == router_ then
     local o, t, l = prefix .. 'out:' .. id, prefix .. 'txt:' .. id, prefix .. 'lp:' .. id
     if ARGV[i + 2] ~= '' then redis.call('SETRANGE', o, tonumber(ARGV[i + 1]), ARGV[i + 2]) end
     if ARGV[i + 4] ~= '' then redis.call('SETRANGE', t, tonumber(ARGV[i + 3]), ARGV[i + 4]) end
     if ARGV[i + 14] ~= '' then redis.call('SETRANGE', l, tonumber(ARGV[i + 13]), ARGV[i + 14]) end
-    if ARGV[i + 5] ~= '' then redis.call('HSET', h, 'ft', ARGV[i + 5]) end
-    if ARGV[i + 6] ~= '' then redis.call('HSET', h, 'fs', ARGV[i + 6]) end
-    if ARGV[i + 15] ~= '' then redis.call('HSET', h, 'ct', ARGV[i + 15]) end
+    local fields = {}   -- one HSET for the delta's stamps and its finish
+    for _, k in ipairs({{'ft', 5}, {'fs', 6}, {'ct', 15}}) do
+      local v = ARGV[i + k[2]]
+      if v ~= '' then fields[#fields + 1] = k[1]; fields[#fields + 1] = v end
+    end
     if ARGV[i + 2] ~= '' or ARGV[i + 4] ~= '' then
-      tell_fronts_(h, 'k', 'd', 'id', id, 'n', n, 'o', ARGV[i + 1], 't', ARGV[i + 2],
+      tell_fronts_(fe, 'k', 'd', 'id', id, 'n', n, 'o', ARGV[i + 1], 't', ARGV[i + 2],
         'xo', ARGV[i + 3], 'x', ARGV[i + 4], 'lo', ARGV[i + 13], 'l', ARGV[i + 14],
         'ft', ARGV[i + 5], 'fs', ARGV[i + 6], 'ct', ARGV[i + 15])
     end
-    if ARGV[i + 7] == '1' then
-      redis.call('HSET', h, 'fr', ARGV[i + 8], 'err', ARGV[i + 9], 'rep', ARGV[i + 10],
-        'fin', ARGV[i + 11], 'pre', ARGV[i + 12], 'st', 'f', 'q', '', 'o', '', 'br', '')
+    local finished = ARGV[i + 7] == '1'
+    if finished then
+      for _, v in ipairs({'fr', ARGV[i + 8], 'err', ARGV[i + 9], 'rep', ARGV[i + 10],
+          'fin', ARGV[i + 11], 'pre', ARGV[i + 12], 'st', 'f', 'q', '', 'o', '', 'br', ''}) do
+        fields[#fields + 1] = v
+      end
+    end
+    if #fields > 0 then redis.call('HSET', h, unpack(fields)) end
+    if finished then
       redis.call('ZREM', prefix .. 'inflight', id)
       redis.call('SREM', prefix .. 'live', id)
       redis.call('EXPIRE', h, ttl)
       redis.call('EXPIRE', o, ttl)
       redis.call('EXPIRE', t, ttl)
       redis.call('EXPIRE', l, ttl)
-      finish_event_(h, id)
+      finish_event_(h, id, fe)
     end
     written[#written + 1] = 1
   else
@@ -314,21 +340,21 @@ local i = 3
 while i <= #ARGV do
   local id, k = ARGV[i], tonumber(ARGV[i + 1])
   local h = prefix .. 'req:' .. id
-  local st, q, m, br = unpack(redis.call('HMGET', h, 'st', 'q', 'm', 'br'))
+  local st, q, m, br, fe = unpack(redis.call('HMGET', h, 'st', 'q', 'm', 'br', 'fe'))
   if st and st ~= 'f' then
     if st == 'q' then redis.call('ZREM', prefix .. 'q:' .. q, m) end
     if st == 'r' and br and br ~= router_ and live_(br) then emit_(br, 'k', 'c', 'id', id) end
-    for j = 1, k do
-      redis.call('HSET', h, ARGV[i + 2 * j], ARGV[i + 1 + 2 * j])
-    end
-    redis.call('HSET', h, 'st', 'f', 'q', '', 'o', '', 'br', '')
+    local fields = {}   -- the caller's, then the finish's own (which win)
+    for j = 1, 2 * k do fields[#fields + 1] = ARGV[i + 1 + j] end
+    for _, v in ipairs({'st', 'f', 'q', '', 'o', '', 'br', ''}) do fields[#fields + 1] = v end
+    redis.call('HSET', h, unpack(fields))
     redis.call('ZREM', prefix .. 'inflight', id)
     redis.call('SREM', prefix .. 'live', id)
     redis.call('EXPIRE', h, ttl)
     redis.call('EXPIRE', prefix .. 'out:' .. id, ttl)
     redis.call('EXPIRE', prefix .. 'txt:' .. id, ttl)
     redis.call('EXPIRE', prefix .. 'lp:' .. id, ttl)
-    finish_event_(h, id)
+    finish_event_(h, id, fe)
   end
   i = i + 2 + 2 * k
 end

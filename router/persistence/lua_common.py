@@ -5,21 +5,29 @@ The writer appends the calling router's id and epoch to every call. FENCE pops
 them (so each script's own arguments keep their places) and refuses to run for
 a router whose liveness lease has lapsed, or whose epoch is not the one
 registered for its id: several routers share one Redis, and one that was cut
-off must not overwrite what the others did meanwhile. Leases are judged by
-Redis's own clock (TIME), so routers' clocks need not agree. An empty router
-id (a writer with no fence set: tools, tests of single scripts) is not checked.
+off must not overwrite what the others did meanwhile. The check is one GET:
+P fence:<id> holds the router's epoch and expires with its lease (set with
+the lease, lua_routers; never later than the lease's score in P routers, so a
+router is fenced no later than the others count it dead). Leases are judged by
+Redis's own clock, so routers' clocks need not agree. An empty router id (a
+writer with no fence set: tools, tests of single scripts) is not checked.
 
 Helpers (every script's ARGV[1] is the key prefix):
   live_(r)            router r holds a live lease
   emit_(r, ...)       XADD the field/value pairs to r's event stream
                       (P ev:<r>, MAXLEN ~ EVENTS_MAXLEN)
-  fronts_(h)          the routers holding client streams of request hash h
-                      (its 'fe' field, ids separated by spaces)
-  other_fronts_(h)    the live fronts of h other than the caller
-  tell_fronts_(h, .)  emit_ to each of them
+  fronts_of_(fe)      the routers holding a request's client streams, from its
+                      'fe' field as read (ids separated by spaces)
+  fronts_(h)          the same, read from request hash h
+  other_fronts_of_(fe) the live ones other than the caller
+  tell_fronts_(fe, .) emit_ to each of them
   kick_()             tell every other live router the shared queue has work
   record_(id)         a request as one flat list: its hash's field/value pairs,
                       then _out, _txt, _lp (its output so far)
+A script that reads a request's hash anyway takes 'fe' in the same HMGET and
+passes it on: every command a script runs costs Redis about a microsecond,
+and these scripts run on every request's critical path
+(benchmarks/router/script_lifecycle_cost.py).
 """
 
 from __future__ import annotations
@@ -34,12 +42,8 @@ local router_ = table.remove(ARGV)
 local p_ = ARGV[1]
 local t_ = redis.call('TIME')
 local now_ = tonumber(t_[1]) + tonumber(t_[2]) / 1e6
-if router_ ~= '' then
-  local expiry_ = redis.call('ZSCORE', p_ .. 'routers', router_)
-  if (not expiry_) or tonumber(expiry_) < now_
-      or redis.call('HGET', p_ .. 'router:' .. router_, 'epoch') ~= epoch_ then
-    return redis.error_reply('FENCED router ' .. router_ .. ' epoch ' .. epoch_ .. ' holds no live lease')
-  end
+if router_ ~= '' and redis.call('GET', p_ .. 'fence:' .. router_) ~= epoch_ then
+  return redis.error_reply('FENCED router ' .. router_ .. ' epoch ' .. epoch_ .. ' holds no live lease')
 end
 local function live_(r)
   if (not r) or r == '' then return false end
@@ -49,20 +53,23 @@ end
 local function emit_(r, ...)
   redis.call('XADD', p_ .. 'ev:' .. r, 'MAXLEN', '~', %(maxlen)d, '*', ...)
 end
-local function fronts_(h)
+local function fronts_of_(fe)
   local out = {}
-  for r in string.gmatch(redis.call('HGET', h, 'fe') or '', '[^ ]+') do out[#out + 1] = r end
+  for r in string.gmatch(fe or '', '[^ ]+') do out[#out + 1] = r end
   return out
 end
-local function other_fronts_(h)
+local function fronts_(h)
+  return fronts_of_(redis.call('HGET', h, 'fe'))
+end
+local function other_fronts_of_(fe)
   local out = {}
-  for _, r in ipairs(fronts_(h)) do
+  for _, r in ipairs(fronts_of_(fe)) do
     if r ~= router_ and live_(r) then out[#out + 1] = r end
   end
   return out
 end
-local function tell_fronts_(h, ...)
-  for _, r in ipairs(other_fronts_(h)) do emit_(r, ...) end
+local function tell_fronts_(fe, ...)
+  for _, r in ipairs(other_fronts_of_(fe)) do emit_(r, ...) end
 end
 local function kick_()
   for _, r in ipairs(redis.call('ZRANGEBYSCORE', p_ .. 'routers', now_, '+inf')) do
@@ -81,13 +88,13 @@ local function record_(id)
 end
 """ % {"maxlen": EVENTS_MAXLEN}
 
-# The event a finish sends to the request's other fronts, read from its hash
-# after the finish is recorded (so a finish from a step and one from FINISH
-# look alike). Byte offsets say where the output ends: a front that has less
-# reloads the request.
+# The event a finish sends to the request's other fronts (fe: its 'fe' field as
+# read), read from its hash after the finish is recorded (so a finish from a
+# step and one from FINISH look alike). Byte offsets say where the output
+# ends: a front that has less reloads the request.
 FINISH_EVENT = """
-local function finish_event_(h, id)
-  local others = other_fronts_(h)
+local function finish_event_(h, id, fe)
+  local others = other_fronts_of_(fe)
   if #others == 0 then return end   -- the usual case: the caller is the only front
   local f = redis.call('HMGET', h, 'fr', 'err', 'rep', 'fin', 'pre', 'asg', 'rq', 'ft', 'fs', 'ct', 'n')
   for _, r in ipairs(others) do
@@ -101,6 +108,11 @@ local function finish_event_(h, id)
   end
 end
 """
+
+
+# The fence key's expiry for a lease ending at Redis time `expiry` (seconds):
+# whole milliseconds, rounded down.
+FENCE_EXPIRY_MS = "math.floor(%s * 1000)"
 
 
 def fenced(body: str) -> str:

@@ -11,25 +11,30 @@ makes it the back router of requests a replica that registered with it holds.
 
 from __future__ import annotations
 
-from router.persistence.lua_common import fenced
+from router.persistence.lua_common import FENCE_EXPIRY_MS, fenced
 
-# A router joins: a fresh epoch for its id and a lease of ttl seconds.
+# A router joins: a fresh epoch for its id and a lease of ttl seconds (its score
+# in P routers, and its fence key, lua_common.FENCE).
 # ARGV: prefix, router id, ttl -> the epoch.
 REGISTER_ROUTER = """
 local prefix, id = ARGV[1], ARGV[2]
 local epoch = redis.call('INCR', prefix .. 'epoch')
 local t = redis.call('TIME')
+local expiry = tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[3])
 redis.call('HSET', prefix .. 'router:' .. id, 'epoch', epoch, 'started', t[1])
-redis.call('ZADD', prefix .. 'routers', tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[3]), id)
+redis.call('ZADD', prefix .. 'routers', expiry, id)
+redis.call('SET', prefix .. 'fence:' .. id, epoch, 'PXAT', %(expiry_ms)s)
 return epoch
-"""
+""" % {"expiry_ms": FENCE_EXPIRY_MS % "expiry"}
 
 # Extends the calling router's lease (fenced: a lapsed one is not revived) and
 # records how many replicas it has. ARGV: prefix, ttl, replicas -> the replicas
 # of the other live routers (a router with none of its own still takes requests
 # while they have some).
 RENEW_ROUTER = fenced("""
-redis.call('ZADD', ARGV[1] .. 'routers', now_ + tonumber(ARGV[2]), router_)
+local expiry = now_ + tonumber(ARGV[2])
+redis.call('ZADD', ARGV[1] .. 'routers', expiry, router_)
+redis.call('SET', ARGV[1] .. 'fence:' .. router_, epoch_, 'PXAT', %(expiry_ms)s)
 redis.call('HSET', ARGV[1] .. 'router:' .. router_, 'nrep', ARGV[3])
 local others = 0
 for _, r in ipairs(redis.call('ZRANGEBYSCORE', ARGV[1] .. 'routers', now_, '+inf')) do
@@ -38,12 +43,13 @@ for _, r in ipairs(redis.call('ZRANGEBYSCORE', ARGV[1] .. 'routers', now_, '+inf
   end
 end
 return others
-""")
+""" % {"expiry_ms": FENCE_EXPIRY_MS % "expiry"})
 
 # A router leaving in good order gives its lease up at once. ARGV: prefix, id.
 LEAVE_ROUTER = """
 redis.call('ZREM', ARGV[1] .. 'routers', ARGV[2])
-redis.call('DEL', ARGV[1] .. 'router:' .. ARGV[2], ARGV[1] .. 'ev:' .. ARGV[2])
+redis.call('DEL', ARGV[1] .. 'router:' .. ARGV[2], ARGV[1] .. 'ev:' .. ARGV[2],
+  ARGV[1] .. 'fence:' .. ARGV[2])
 return 1
 """
 
@@ -80,7 +86,7 @@ for _, id in ipairs(dead) do
     if string.sub(f, 1, 2) == 'r:' then moved = moved + queue_to_shared_(string.sub(f, 3)) end
   end
   redis.call('ZREM', prefix .. 'routers', id)
-  redis.call('DEL', prefix .. 'router:' .. id, prefix .. 'ev:' .. id)
+  redis.call('DEL', prefix .. 'router:' .. id, prefix .. 'ev:' .. id, prefix .. 'fence:' .. id)
 end
 if moved > 0 then kick_() end
 return dead

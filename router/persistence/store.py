@@ -15,9 +15,12 @@ Keys (prefix P, default "quadriga:"):
   P inflight     zset   running request ids, score = lease expiry (unix s)
   P live         set    every unfinished request id
   P seq          counter (INCR) breaking arrival ties
-  P pop:<token>  list   what one pop took, for 300 s (a retried pop returns it again)
+  P pop:<token>  string the ids one pop took (msgpack), for 300 s (a retried pop
+                        returns them again)
   P routers      zset   live routers, score = lease expiry (Redis TIME, unix s)
-  P router:<id>  hash   epoch (fences a router's writes, lua_common.FENCE), started
+  P router:<id>  hash   epoch, started, nrep (its replicas), r:<replica> (its replicas' own queues)
+  P fence:<id>   string the router's epoch, expiring with its lease: fences its writes
+                        (lua_common.FENCE)
   P epoch        counter (INCR) a router's epoch at registration
   P ev:<id>      stream events for router <id> (router/events.py), MAXLEN ~100000
   P ao           counter (INCR) assignment ordinal: the global order of pops

@@ -141,6 +141,45 @@ async def routers_a_and_b(redis_url, prefix):
         yield store, a, b
 
 
+def test_a_router_whose_lease_lapsed_or_epoch_moved_on_is_fenced(redis_url, arun):
+    """FENCE: a router writes only while its lease is live and its epoch is the
+    one registered last for its id; its fence key never outlives the lease the
+    other routers see (P routers), so none counts it dead while it still writes."""
+    from router.persistence.writer import PermanentWriteError
+
+    async def scenario():
+        async with store_and_writer(redis_url, "fen:") as (store, old), \
+                store_and_writer(redis_url, "fen:") as (_, new), \
+                store_and_writer(redis_url, "fen:") as (_, short):
+            r = store.redis
+            old.fence = ("A", await store.register_router("A", 30))
+            await old.call(submit(store, "a", token="ta"))
+            await old.call(store.renew_router(30, 0))
+            fence_ms = await r.execute_command("PEXPIRETIME", "fen:fence:A")
+            assert 0 < fence_ms <= 1000 * await r.zscore("fen:routers", "A")
+
+            new.fence = ("A", await store.register_router("A", 30))   # A started over
+            try:
+                await old.call(submit(store, "b", token="tb"))
+                raise AssertionError("a write under a stale epoch ran")
+            except PermanentWriteError as exc:
+                assert "FENCED" in str(exc)
+            assert old.fenced and not await r.exists("fen:req:b")
+            await new.call(submit(store, "b", token="tb"))
+
+            short.fence = ("C", await store.register_router("C", 0.2))
+            await short.call(submit(store, "c", token="tc"))
+            await asyncio.sleep(0.3)
+            try:
+                await short.call(submit(store, "d", token="td"))
+                raise AssertionError("a write after the lease lapsed ran")
+            except PermanentWriteError:
+                pass
+            assert not await r.exists("fen:req:d")
+
+    arun(scenario())
+
+
 def test_cross_router_scripts_run_twice_are_run_once(redis_url, arun):
     """ATTACH, ADOPT, the in-flight sweep and a replica leaving, each sent
     again as a retried flush would, for two registered routers."""
