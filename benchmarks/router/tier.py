@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.router.local_router import cpu_seconds
 from benchmarks.router.overhead import ROOT, scrape, warm_up
 from benchmarks.router.tier_report import DEFINITIONS, failover_summary, rate_summary
 from common.redis_server import RedisServer, free_port
@@ -100,10 +101,22 @@ class Tier:
                                  f"see {self.log.name}")
             time.sleep(0.3)
 
+    def _cpu(self) -> dict:
+        """CPU seconds so far of Redis, each live router and all simulated replicas."""
+        def of(proc) -> float:
+            try:
+                return cpu_seconds(proc.pid) if proc is not None and proc.poll() is None else 0.0
+            except OSError:   # exited meanwhile
+                return 0.0
+        return dict(redis=of(self.redis.proc), routers=[of(p) for p in self.routers],
+                    sims=sum(of(p) for p in self.sims))
+
     def load(self, rate: float, duration: float, seed: int, kill_at: float | None = None) -> dict:
         """One open-loop run, split over --clients load generator processes;
-        with kill_at, router 1 is SIGKILLed that many seconds in."""
+        with kill_at, router 1 is SIGKILLed that many seconds in. Also the cores
+        each server process kept busy meanwhile (cores_busy), so what binds shows."""
         a, k = self.args, self.args.clients
+        cpu_before, wall_before = self._cpu(), time.monotonic()
         outs = [self.work / f"load-{seed}-{i}.json" for i in range(k)]
         gens = [subprocess.Popen(
             [sys.executable, "-m", "benchmarks.router.tier_load", "--routers", ",".join(self.addresses),
@@ -135,7 +148,12 @@ class Tier:
                 rec["attempts"] = [(i, s + shift, e + shift, c) for i, s, e, c in rec.get("attempts", ())]
             records += r["records"]
         killed = None if kill_wall is None else kill_wall - t0
-        return dict(offered_rps=rate, records=records, killed_at_s=killed)
+        cpu_after, wall = self._cpu(), time.monotonic() - wall_before
+        cores = dict(redis=(cpu_after["redis"] - cpu_before["redis"]) / wall,
+                     routers=[(after - before) / wall if after else None   # None: killed
+                              for before, after in zip(cpu_before["routers"], cpu_after["routers"])],
+                     sims=(cpu_after["sims"] - cpu_before["sims"]) / wall)
+        return dict(offered_rps=rate, records=records, killed_at_s=killed, cores_busy=cores)
 
     def stop(self) -> None:
         for proc in self.sims + self.routers:
@@ -152,11 +170,15 @@ def ladder(args, work, model, n: int) -> dict:
     try:
         tier.load(min(args.rates), 3.0, seed=999)   # warm-up: channels, first steps
         for k, rate in enumerate(args.rates):
-            row = rate_summary(tier.load(rate, args.duration, seed=k + 1), args.added_limit_ms)
+            result = tier.load(rate, args.duration, seed=k + 1)
+            row = rate_summary(result, args.added_limit_ms)
+            row["cores_busy"] = cores = result["cores_busy"]
             rows.append(row)
             print(f"{n} routers  offered {rate:6.0f}/s  completed {row['completed_rps']:7.1f}/s  "
                   f"lost {row['lost']}  ttft p50 {row['ttft_p50_ms']:7.1f} p99 {row['ttft_p99_ms']:7.1f} ms  "
-                  f"added p50 {row['added_ttft_p50_ms']:6.1f} p99 {row['added_ttft_p99_ms']:7.1f} ms"
+                  f"added p50 {row['added_ttft_p50_ms']:6.1f} p99 {row['added_ttft_p99_ms']:7.1f} ms  "
+                  f"cores: redis {cores['redis']:.2f}, busiest router "
+                  f"{max(c for c in cores['routers'] if c is not None):.2f}"
                   f"{'' if row['sustained'] else '  (not sustained)'}", flush=True)
             if not row["sustained"]:
                 break
@@ -181,7 +203,8 @@ def failover(args, work, model, rate: float) -> dict:
     finally:
         tier.stop()
     summary = failover_summary(result, args.window_s)
-    summary.update(routers=n, replicas=args.replicas, offered_rps=rate, duration_s=duration)
+    summary.update(routers=n, replicas=args.replicas, offered_rps=rate, duration_s=duration,
+                   cores_busy=result["cores_busy"])
     if args.records:   # every request, with its attempts (router index, start, end, status)
         Path(args.records).write_text(json.dumps(dict(addresses=tier.addresses, **result)))
     back = (f"p99 TTFT back to normal after {summary['recovery_s']} s"

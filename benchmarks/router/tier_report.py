@@ -16,6 +16,10 @@ DEFINITIONS = {
                   "and router hops, admission, the queue wait for a seat, the pop and the Assign, "
                   "and for a request accepted by another router than its replica's, the event "
                   "stream hop",
+    "cores_busy": "CPU seconds each server process used during the rate's run (user + sys, all "
+                  "its threads) / the run's wall time: Redis (one core at most for its commands), "
+                  "each router (null once killed), all simulated replicas together; a process near "
+                  "1.0 that cannot use more binds the rate",
     "lost": "requests that did not finish with the exact simulated output (the rule of "
             "replica_worker/sim/runner.py)",
     "duplicated_tokens": "tokens a client stream delivered at an offset it already had",
