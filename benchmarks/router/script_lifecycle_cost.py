@@ -23,8 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _measure(n: int) -> dict:
     """Runs in a subprocess whose sys.path starts with the tree measured."""
@@ -80,27 +78,22 @@ def _measure(n: int) -> dict:
 
 
 def _run_tree(tree: Path, n: int) -> dict:
+    # Imported here, in the parent only: the child's imports must all come from the tree measured.
+    from common.redis_server import RedisServer
+
     with tempfile.TemporaryDirectory() as tmp:
-        port = 20000 + os.getpid() % 20000
-        server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "",
-                                   "--appendonly", "no", "--dir", tmp],
-                                  stdout=subprocess.DEVNULL)
+        server = RedisServer(Path(tmp))
+        server.start()
         try:
-            for _ in range(100):
-                if subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True,
-                                  text=True).stdout.strip() == "PONG":
-                    break
-                time.sleep(0.05)
             # This file run as a script, its imports of router.* from the tree measured.
-            env = dict(os.environ, SCRIPT_COST_PORT=str(port), PYTHONPATH=str(tree))
+            env = dict(os.environ, SCRIPT_COST_PORT=str(server.port), PYTHONPATH=str(tree))
             res = subprocess.run([sys.executable, __file__, "--child", str(n)], env=env,
                                  cwd=tree, capture_output=True, text=True)
             if res.returncode:
                 raise RuntimeError(f"{tree}: {res.stderr[-2000:]}")
             return json.loads(res.stdout.strip().splitlines()[-1])
         finally:
-            server.terminate()
-            server.wait()
+            server.stop()
 
 
 def main(argv=None) -> int:
