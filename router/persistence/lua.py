@@ -293,10 +293,9 @@ for i = 3, #ARGV, 17 do
     if ARGV[i + 4] ~= '' then redis.call('SETRANGE', t, tonumber(ARGV[i + 3]), ARGV[i + 4]) end
     if ARGV[i + 14] ~= '' then redis.call('SETRANGE', l, tonumber(ARGV[i + 13]), ARGV[i + 14]) end
     local fields = {}   -- one HSET for the delta's stamps and its finish
-    for _, k in ipairs({{'ft', 5}, {'fs', 6}, {'ct', 15}}) do
-      local v = ARGV[i + k[2]]
-      if v ~= '' then fields[#fields + 1] = k[1]; fields[#fields + 1] = v end
-    end
+    if ARGV[i + 5] ~= '' then fields[#fields + 1] = 'ft'; fields[#fields + 1] = ARGV[i + 5] end
+    if ARGV[i + 6] ~= '' then fields[#fields + 1] = 'fs'; fields[#fields + 1] = ARGV[i + 6] end
+    if ARGV[i + 15] ~= '' then fields[#fields + 1] = 'ct'; fields[#fields + 1] = ARGV[i + 15] end
     if ARGV[i + 2] ~= '' or ARGV[i + 4] ~= '' then
       tell_fronts_(fe, 'k', 'd', 'id', id, 'n', n, 'o', ARGV[i + 1], 't', ARGV[i + 2],
         'xo', ARGV[i + 3], 'x', ARGV[i + 4], 'lo', ARGV[i + 13], 'l', ARGV[i + 14],
