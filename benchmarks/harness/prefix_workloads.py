@@ -16,7 +16,7 @@ multi-turn: C conversations of T turns. A conversation starts at a Poisson
 
 from __future__ import annotations
 
-from benchmarks.harness.workload import Request, arrivals, synthetic_lengths
+from benchmarks.harness.workload import Request, arrivals, generate, synthetic_lengths
 
 
 def _lengths(spec, which: str, n: int, rng):
@@ -84,8 +84,6 @@ def priming(spec) -> list[Request]:
     warm as a probe after the first finds them (the probes of a search offer the
     same prompts). Questions and conversation turns are not sent, so their own
     tokens are not cached. The prefixes are read off the workload itself."""
-    from benchmarks.harness.workload import generate
-
     n = spec.system_len
     if n <= 0:
         return []
