@@ -6,21 +6,12 @@ Runs on CUDA when there is one, else on the CPU under Triton's interpreter
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no CUDA device and the Triton interpreter is off", allow_module_level=True)
-
-from replica_worker.engine.model import triton_ops as ops  # noqa: E402
-from replica_worker.engine.model.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.engine.triton_device import DEV
+from replica_worker.engine.model import triton_ops as ops
+from replica_worker.engine.model.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
 
 
 def _close(a, b, dtype, ulps=1):
@@ -95,6 +86,35 @@ def test_rope_on_qkv_views(dtype, n_q, n_k, head_dim):
     cos, sin = emb.lookup(positions.cpu())
     q_model = apply_rotary(q.cpu().view(t, n_q, head_dim), cos, sin).reshape(t, -1)
     _close(q_out.cpu(), q_model, dtype, ulps=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n_q,n_k,head_dim", [(4, 2, 64), (32, 8, 128), (3, 3, 32)])
+def test_rope_and_store_kv_writes_the_cache_rows(dtype, n_q, n_k, head_dim):
+    """The fused kernel's q equals apply_rope's; its cache rows equal rope's k and the
+    value stored by index_copy_; rows no token names stay as they were."""
+    inv = inverse_frequencies({"rope_type": "default", "rope_theta": 10000.0}, head_dim)
+    f = torch.outer(torch.arange(2048, dtype=torch.float32), inv)
+    cos_sin = torch.cat((f.cos(), f.sin()), dim=-1).to(DEV)
+    t, num_rows = 7, 40
+    g = torch.Generator().manual_seed(n_q + n_k + head_dim)
+    qkv = torch.randn(t, (n_q + 2 * n_k) * head_dim, generator=g).to(dtype).to(DEV)
+    q, k, v = qkv.split((n_q * head_dim, n_k * head_dim, n_k * head_dim), dim=-1)
+    positions = torch.tensor([0, 1, 5, 100, 2047, 9, 9]).to(DEV)
+    # k and v rows interleaved as the flashinfer layout's flat view has them
+    k_index = torch.tensor([0, 2, 4, 16, 18, 20, 38]).to(DEV)
+    v_index = k_index + 1
+    rows = torch.randn(num_rows, n_k, head_dim, generator=g).to(dtype).to(DEV)
+    want_rows = rows.clone()
+    want_q = ops.rope_and_store_kv_ref(positions, q, k, v, head_dim, cos_sin, want_rows, k_index, v_index)
+    got_q = ops.rope_and_store_kv(positions, q, k, v, head_dim, cos_sin, rows, k_index, v_index)
+    assert got_q.is_contiguous()
+    _close(got_q, want_q, dtype)
+    _close(rows, want_rows, dtype)
+    untouched = torch.ones(num_rows, dtype=torch.bool)
+    untouched[torch.cat((k_index, v_index)).cpu()] = False
+    assert torch.equal(rows[untouched.to(DEV)], want_rows[untouched.to(DEV)])
+    assert torch.equal(rows[v_index], v.reshape(t, n_k, head_dim))   # values are copied, not rounded
 
 
 def test_empty_inputs():

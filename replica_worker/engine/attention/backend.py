@@ -54,6 +54,13 @@ class AttentionBackend(abc.ABC):
         A query at position p sees keys at positions <= p of its own sequence,
         and with a sliding window W only those > p - W."""
 
+    def kv_store_rows(self, kv_cache: torch.Tensor, metadata: AttentionMetadata):
+        """(rows, k_index, v_index) for a kernel that stores this step's k and v itself
+        (triton_ops.rope_and_store_kv): the layer's cache as contiguous rows
+        [R, num_kv_heads, head_dim] and each new token's K and V row in it. None when
+        this backend stores them only through write_kv."""
+        return None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         self.write_kv(kv_cache, k, v, metadata)
         return self.attend(q, k, v, kv_cache, metadata)

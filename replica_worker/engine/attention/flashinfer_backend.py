@@ -199,6 +199,10 @@ class FlashInferBackend(AttentionBackend):
             raise RuntimeError("FlashInferBackend.prepare(metadata) was not called for this step")
         return md.backend_data
 
+    def kv_store_rows(self, kv_cache, md):
+        step = self._step(md)
+        return kv_cache.view(-1, self.num_kv_heads, self.head_dim), step.k_index, step.v_index
+
     def write_kv(self, kv_cache, k, v, md):
         step = self._step(md)
         flat = kv_cache.view(-1, self.num_kv_heads, self.head_dim)

@@ -63,6 +63,15 @@ def fused_kernels(device: torch.device, dtype: torch.dtype):
     return None
 
 
+def store_kv_in_rope(fused) -> bool:
+    """Whether the rotary kernel also stores k and v into the KV cache (one kernel
+    instead of three a layer; backends that expose kv_store_rows). Only Quadriga's
+    Triton module has that kernel. QUADRIGA_FUSED_KV_STORE=1 turns it on; off by
+    default until it is measured on the H200 (benchmarks/gpu/run_decode_kernels.sh)."""
+    return (fused is not None and hasattr(fused, "rope_and_store_kv")
+            and os.environ.get("QUADRIGA_FUSED_KV_STORE", "0").strip() == "1")
+
+
 @dataclass(frozen=True)
 class LlamaShape:
     vocab_size: int
@@ -146,6 +155,7 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(s.hidden_size, qkv_slices(s, heads), bias=s.qkv_bias)
         self.o_proj = RowParallelLinear(s.num_heads * s.head_dim, s.hidden_size, heads.q_start * s.head_dim, group)
         self.backend = backend
+        self.store_kv_in_rope = False   # set by LlamaForCausalLM (see store_kv_in_rope)
 
     def forward(self, x, cos, sin, kv_cache, md: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -159,6 +169,12 @@ class Attention(nn.Module):
     def forward_fused(self, x, positions, cos_sin, kv_cache, md, fi) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        rows = self.backend.kv_store_rows(kv_cache, md) if self.store_kv_in_rope else None
+        if rows is not None:
+            # One kernel rotates q and k and stores k and v in the cache.
+            q = fi.rope_and_store_kv(positions, q, k, v, self.head_dim, cos_sin, *rows)
+            out = self.backend.attend(q.view(-1, self.num_heads, self.head_dim), None, None, kv_cache, md)
+            return self.o_proj(out.reshape(-1, self.q_size))
         # Out of place: q and k come back contiguous, as the attention kernels like them.
         q, k = fi.apply_rope_with_cos_sin_cache(positions, q, k, self.head_dim, cos_sin, is_neox=True)
         out = self.backend.forward(
@@ -233,6 +249,9 @@ class LlamaForCausalLM(nn.Module):
             rope_settings(hf_config), s.head_dim, max_positions, dtype=weight.dtype, device=weight.device,
         )
         self.fused = fused_kernels(weight.device, weight.dtype)
+        fuse_store = store_kv_in_rope(self.fused)
+        for layer in self.layers:
+            layer.self_attn.store_kv_in_rope = fuse_store
 
     def forward(
         self,

@@ -23,6 +23,7 @@ weight in e4m3 with per-output-channel scales (model/fp8.py).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,29 @@ class RowSlice:
         return cls(part, full_rows, rank * rows, rows)
 
 
+def _small_m_rows() -> int:
+    raw = os.environ.get("QUADRIGA_SMALL_M_GEMV_ROWS", "0").strip() or "0"
+    return max(0, min(16, int(raw)))
+
+
+# Projections of at most this many rows (CUDA, bf16/fp16) take model/triton_gemv.py's
+# kernel instead of cuBLAS; 0 (the default until it is measured on the H200): none.
+# Fixed at import, so a captured CUDA graph and the eager steps around it agree.
+SMALL_M_GEMV_ROWS = _small_m_rows()
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or for the few rows of a small decode batch the Triton kernel when it
+    is turned on (SMALL_M_GEMV_ROWS)."""
+    if (SMALL_M_GEMV_ROWS and x.shape[0] <= SMALL_M_GEMV_ROWS and x.dim() == 2 and x.is_cuda
+            and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype):
+        from replica_worker.engine.model import triton_gemv
+
+        if triton_gemv.available():
+            return triton_gemv.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class _Linear(nn.Module):
     """A projection whose weight may be quantized to fp8 once loaded (model/fp8.py):
     then `fp8` holds it and `weight` is gone, so the bf16 copy's memory is freed."""
@@ -118,7 +142,7 @@ class _Linear(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             return self.fp8.linear(x, self.bias, x.dtype)
-        return F.linear(x, self.weight, self.bias)
+        return small_m_linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(_Linear):
@@ -241,7 +265,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [S, vocab] of the (already selected) sampling rows."""
         if self.group.size == 1:
-            return F.linear(hidden, self.weight).float()
+            return small_m_linear(hidden, self.weight).float()
         local = F.linear(hidden, self.weight)  # [S, rows]; gathered in the model dtype
         shards = self.group.all_gather(local).view(self.group.size, *local.shape)
         logits = shards.transpose(0, 1).reshape(local.shape[0], -1)

@@ -1,6 +1,7 @@
 """Triton kernels for the decoder's small steps: residual add + RMSNorm, SiLU(gate) * up,
-rotary embedding of q and k, and (fp8 only) a matmul input's per-token quantization,
-each one kernel.
+rotary embedding of q and k (alone, or with k and v stored into the paged KV cache in
+the same kernel), and (fp8 only) a matmul input's per-token quantization, each one
+kernel.
 
 Plain torch runs these as ~40 small kernels per layer (fp32 RMSNorm alone is six or
 seven), which at batch-1 decode cost more than the attention, and at prefill the
@@ -71,6 +72,16 @@ def rope_ref(positions, query, key, head_size, cos_sin_cache):
             rot(key).to(key.dtype).reshape(key.shape[0], -1))
 
 
+def rope_and_store_kv_ref(positions, query, key, value, head_size, cos_sin_cache, kv_rows, k_index, v_index):
+    """rope_ref, then the rotated key and the value copied into rows k_index and
+    v_index of kv_rows [R, Hk, head_size]; returns the rotated query."""
+    q, k = rope_ref(positions, query, key, head_size, cos_sin_cache)
+    n_k = key.shape[-1] // head_size
+    kv_rows.index_copy_(0, k_index, k.view(-1, n_k, head_size))
+    kv_rows.index_copy_(0, v_index, value.reshape(-1, n_k, head_size))
+    return q
+
+
 # ---------------------------------------------------------------- kernels
 if triton is not None:
 
@@ -115,17 +126,32 @@ if triton is not None:
         tl.store(dst + off + HALF, o2.to(dst.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rope_kernel(q_ptr, k_ptr, q_out, k_out, pos_ptr, cs_ptr, q_stride, k_stride, cs_stride, n_q, n_k,
-                     HALF: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr):
+    def _rope_kernel(q_ptr, k_ptr, v_ptr, q_out, k_out, pos_ptr, k_row_ptr, v_row_ptr, cs_ptr,
+                     q_stride, k_stride, v_stride, cs_stride, n_q, n_k,
+                     HALF: tl.constexpr, BD: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, STORE: tl.constexpr):
+        # One token: q rotated into q_out. k rotated into row t of k_out; with STORE,
+        # k_out is the cache's rows (each the token's n_k heads, contiguous), k goes to
+        # row k_row[t] and v is copied to row v_row[t].
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)
         d = tl.arange(0, BD)
         dmask = d < HALF
         c = tl.load(cs_ptr + pos * cs_stride + d, mask=dmask, other=0.0).to(tl.float32)
         s = tl.load(cs_ptr + pos * cs_stride + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        row_len = n_k * 2 * HALF
         _rope_heads(q_ptr + t * q_stride, q_out + t * (n_q * 2 * HALF), n_q, c, s, d, dmask, HALF, BQ)
-        _rope_heads(k_ptr + t * k_stride, k_out + t * (n_k * 2 * HALF), n_k, c, s, d, dmask, HALF, BK)
-
+        if STORE:
+            k_row = tl.load(k_row_ptr + t).to(tl.int64)
+        else:
+            k_row = t
+        _rope_heads(k_ptr + t * k_stride, k_out + k_row * row_len, n_k, c, s, d, dmask, HALF, BK)
+        if STORE:
+            v_row = tl.load(v_row_ptr + t).to(tl.int64)
+            e = tl.arange(0, BV)
+            vmask = e < row_len
+            v = tl.load(v_ptr + t * v_stride + e, mask=vmask, other=0.0)
+            tl.store(k_out + v_row * row_len + e, v.to(k_out.dtype.element_ty), mask=vmask)
 
     @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, x_stride, n_cols, fp8_max, min_amax, BLOCK: tl.constexpr):
@@ -248,8 +274,35 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size: int, cos_sin
     bd = triton.next_power_of_2(half)
     bq, bk = triton.next_power_of_2(n_q), triton.next_power_of_2(n_k)
     _rope_kernel[(t,)](
-        query, key, q_out, k_out, positions, cos_sin_cache,
-        query.stride(0), key.stride(0), cos_sin_cache.stride(0), n_q, n_k,
-        HALF=half, BD=bd, BQ=bq, BK=bk, num_warps=_warps(bq * bd),
+        query, key, key, q_out, k_out, positions, positions, positions, cos_sin_cache,
+        query.stride(0), key.stride(0), 0, cos_sin_cache.stride(0), n_q, n_k,
+        HALF=half, BD=bd, BQ=bq, BK=bk, BV=1, STORE=False, num_warps=_warps(bq * bd),
     )
     return q_out, k_out
+
+
+def rope_and_store_kv(positions, query, key, value, head_size: int, cos_sin_cache, kv_rows, k_index, v_index):
+    """apply_rope_with_cos_sin_cache and the cache write of this step's k and v in one
+    kernel: the rotated key and the value go straight to rows k_index[t] and v_index[t]
+    of kv_rows [R, Hk, head_size] (the cache's flat row view, contiguous), so neither
+    the rotated key nor two index_copy_ launches exist. Returns the rotated query,
+    new and contiguous [T, Hq * head_size]. query/key/value may be row-strided views of
+    the qkv output."""
+    t = query.shape[0]
+    n_q, n_k = query.shape[-1] // head_size, key.shape[-1] // head_size
+    q_out = torch.empty((t, n_q * head_size), dtype=query.dtype, device=query.device)
+    if t == 0:
+        return q_out
+    assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
+    assert kv_rows.is_contiguous() and kv_rows.shape[1:] == (n_k, head_size)
+    assert cos_sin_cache.stride(-1) == 1
+    half = head_size // 2
+    bq, bk = triton.next_power_of_2(n_q), triton.next_power_of_2(n_k)
+    bd = triton.next_power_of_2(half)
+    _rope_kernel[(t,)](
+        query, key, value, q_out, kv_rows, positions, k_index, v_index, cos_sin_cache,
+        query.stride(0), key.stride(0), value.stride(0), cos_sin_cache.stride(0), n_q, n_k,
+        HALF=half, BD=bd, BQ=bq, BK=bk, BV=triton.next_power_of_2(n_k * head_size), STORE=True,
+        num_warps=_warps(bq * bd),
+    )
+    return q_out
