@@ -72,7 +72,8 @@ def _finite(name: str, value: float | None, lo: float, hi: float, lo_open: bool 
 
 def check_sampling(s: Sampling, limits: ModelLimits) -> None:
     if s.max_tokens is not None and s.max_tokens <= 0:
-        raise invalid("sampling.max_tokens is 0: ask for at least one token (unset: up to the model limit)")
+        raise invalid(f"sampling.max_tokens is {s.max_tokens}: ask for at least one token "
+                      "(unset: up to the model limit)")
     if s.temperature is not None and not (math.isfinite(s.temperature) and s.temperature >= 0):
         raise invalid(f"sampling.temperature {s.temperature} must be a finite number >= 0")
     _finite("top_p", s.top_p, 0.0, 1.0, lo_open=True)

@@ -1,7 +1,11 @@
 """OpenAI API request bodies (pydantic) and their translation to plain RequestSpecs.
 
 Only what the API defines is read; unknown fields are ignored, as OpenAI's
-own server and vLLM's do. Extensions: top_k, min_p, repetition_penalty,
+own server and vLLM's do. Fields the API defines that would change the answer
+and that Quadriga does not implement (logit_bias, a response_format other than
+text, tools and functions, suffix, best_of above n) are refused with a 400 that
+names them: ignoring them would return an answer the client did not ask for,
+and it could not tell. Extensions: top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, priority. Values are checked by the shared
 validation (router/validation.py), so both front doors say the same thing
 about the same mistake.
@@ -53,6 +57,12 @@ class _Common(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool = False
     priority: int = 0
+    # Defined by the API, not implemented: refused when they would change the answer.
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> Sampling:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -64,10 +74,25 @@ class _Common(BaseModel):
                         repetition_penalty=self.repetition_penalty, logprobs=logprobs)
 
     def check_n(self) -> None:
+        """n, and the fields refused (the module's docstring says why); n > 1 with
+        temperature 0 is allowed (n identical greedy answers), as OpenAI allows it."""
         if not 1 <= self.n <= MAX_N:
             raise invalid(f"n {self.n} must lie in [1, {MAX_N}]")
-        if self.n > 1 and self.temperature == 0:
-            pass  # allowed (n identical greedy answers), as OpenAI allows it
+        for field in self.refused_fields():
+            raise invalid(f"{field} is not supported by this server")
+
+    def refused_fields(self) -> list[str]:
+        refused = []
+        if self.logit_bias:
+            refused.append("logit_bias")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            refused.append(f"response_format of type {kind!r} (only 'text')")
+        if self.tools and self.tool_choice != "none":
+            refused.append("tools (function calling)")
+        if self.functions:
+            refused.append("functions (function calling)")
+        return refused
 
     @property
     def include_usage(self) -> bool:
@@ -79,6 +104,18 @@ class CompletionRequest(_Common):
     prompt: Any = Field(default="")
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def refused_fields(self) -> list[str]:
+        refused = super().refused_fields()
+        if self.echo:
+            refused.append("echo")
+        if self.suffix:
+            refused.append("suffix")
+        if self.best_of is not None and self.best_of > self.n:
+            refused.append(f"best_of above n ({self.best_of} > {self.n})")
+        return refused
 
     def prompts(self) -> list[str | tuple[int, ...]]:
         p = self.prompt
@@ -99,8 +136,6 @@ class CompletionRequest(_Common):
     def specs(self, request_id: str) -> list[RequestSpec]:
         """One spec per (prompt, completion), in the order choices are numbered."""
         self.check_n()
-        if self.echo:
-            raise invalid("echo is not supported")
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
         return _expand(self, self.prompts(), self.sampling(max_tokens, self.logprobs), request_id)
 
@@ -123,6 +158,8 @@ class ChatCompletionRequest(_Common):
         out = []
         for i, m in enumerate(self.messages):
             content = m.content
+            if content is None and m.role in ("system", "developer", "user"):
+                raise invalid(f"messages[{i}] ({m.role}) has no content")
             if isinstance(content, list):  # content parts: only text is understood
                 texts = []
                 for part in content:

@@ -204,6 +204,13 @@ BAD = [
     ({"prompt": 5}, 400, "prompt must be"),
     ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens is -1"),
+    # defined by the API, not implemented: refused, never silently ignored
+    ({"prompt": "x", "echo": True}, 400, "echo is not supported"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix is not supported"),
+    ({"prompt": "x", "best_of": 3}, 400, "best_of above n"),
+    ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias is not supported"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
 ]
 
 
@@ -220,6 +227,16 @@ def test_bad_chat_and_bad_json(stack):
     assert r.status_code == 400 and "messages is empty" in r.json()["error"]["message"]
     r = httpx.post(base(stack) + "/v1/chat/completions", json={"messages": [{"content": "x"}]})
     assert r.status_code == 400 and "role" in r.json()["error"]["message"]
+    r = httpx.post(base(stack) + "/v1/chat/completions", json={"messages": [{"role": "user"}]})
+    assert r.status_code == 400 and "messages[0] (user) has no content" in r.json()["error"]["message"]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    r = httpx.post(base(stack) + "/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "x"}], "tools": tools})
+    assert r.status_code == 400 and "function calling" in r.json()["error"]["message"]
+    r = httpx.post(base(stack) + "/v1/chat/completions", timeout=60,   # tools offered, none to be called
+                   json={"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                         "tool_choice": "none", "max_tokens": 2, "best_of": 1})
+    assert r.status_code == 200, r.text
     r = httpx.post(base(stack) + "/v1/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
