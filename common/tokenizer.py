@@ -15,6 +15,19 @@ def load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
+def has_chat_template(model_dir: str) -> bool:
+    """Whether the folder carries a chat template (chat_template.jinja, or one in
+    tokenizer_config.json), without loading anything."""
+    folder = Path(model_dir)
+    if (folder / "chat_template.jinja").exists():
+        return True
+    config_path = folder / "tokenizer_config.json"
+    try:
+        return bool(json.loads(config_path.read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
 # tokenizer_config.json keys by which transformers' tokenizer classes rewrite
 # the fast tokenizer when they load it (its post-processor, its pre-tokenizer):
 # with any of them set, tokenizer.json alone may encode differently.

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from common.tokenizer import encode_prompt, load_encoder, load_tokenizer
+from common.tokenizer import encode_prompt, has_chat_template, load_encoder, load_tokenizer
 from router.persistence.store import record_from_flat
 from router.requests.record import state_from_record
 from router.requests.request import RequestState
@@ -51,9 +51,10 @@ class Admission:
         """Starts loading the prompt encoder without waiting for it. The fast
         tokenizer alone loads in milliseconds; transformers (chat templates,
         logprobs' token strings, a folder the fast path cannot read) takes
-        seconds and holds the GIL while it imports, starving the loop just when
-        a restarted router must take replicas and re-attaches; it is loaded on
-        first use, or now when prompts need it."""
+        seconds, and its import holds the GIL in stretches that pause the loop,
+        just when a restarted router must take replicas and re-attaches. It is
+        loaded now when prompts need it, at start when chat will (prepare_chat),
+        else on first use."""
         loop = asyncio.get_running_loop()
         self._encoder = loop.run_in_executor(self.executor, load_encoder, self.config.model)
         self._encoder.add_done_callback(self._encoder_loaded)
@@ -73,6 +74,15 @@ class Admission:
             self._tokenizer = loop.run_in_executor(self.executor, load_tokenizer, self.config.model)
             self._tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())
         return self._tokenizer
+
+    def prepare_chat(self) -> None:
+        """With the OpenAI door open and a chat template in the folder, starts loading
+        transformers' tokenizer now, in the background: every chat request needs it
+        (the template), and loaded on first use it made the first chat call wait the
+        seconds the load takes. The loop keeps running meanwhile; the load's import
+        only pauses it now and then, briefly."""
+        if has_chat_template(self.config.model):
+            self._load_tokenizer()
 
     @property
     def tokenizer_requested(self) -> bool:

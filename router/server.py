@@ -165,6 +165,7 @@ class RouterApp:
                                        self.limits)
             self.http_port = await self.http.start(self.config.http_host or self.config.host,
                                                    self.config.http_port)
+            self.admission.prepare_chat()
         self.reaper.start()
         log.info("router listening on port %d%s (policy %s, model %s, %s, %s)", self.port,
                  f", HTTP on {self.http_port}" if self.http_port else "",

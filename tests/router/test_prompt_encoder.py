@@ -2,6 +2,7 @@
 the same ids as transformers' tokenizer, without loading transformers, whose
 import holds the GIL for seconds and starved a restarted router's loop."""
 
+import asyncio
 import json
 import shutil
 
@@ -9,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from common.pb.quadriga.v1 import generation_pb2 as gpb
+from common.redis_server import free_port
 from common.tokenizer import encode_prompt, load_encoder
 from tests.support.router_harness import (Replicas, client, collect, make_config, running_router,
                                           tokens_of)
@@ -57,3 +59,18 @@ def test_a_text_prompt_is_served_without_loading_transformers_tokenizer(redis_ur
             await reps.close()
 
     arun(scenario())
+
+
+@pytest.mark.parametrize("http", [False, True])
+def test_the_openai_door_loads_the_chat_template_at_start(redis_url, tiny_model, arun, http):
+    """Chat needs transformers' tokenizer: with the HTTP door open it loads at start,
+    in the background, not on the first chat call; gRPC alone never loads it."""
+    async def scenario():
+        config = make_config(redis_url, tiny_model, http_port=0 if not http else free_port())
+        async with running_router(config) as app:
+            assert app.admission.tokenizer_requested == http
+            if http:
+                tokenizer = await asyncio.wait_for(app.admission.tokenizer(), 60)
+                assert tokenizer.chat_template
+
+    arun(scenario(), timeout=90)
