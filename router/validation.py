@@ -14,6 +14,8 @@ from router.requests.spec import RequestSpec, Sampling
 MAX_REQUEST_ID_LEN = 256
 MAX_STREAM_INTERVAL = 4096
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0           # OpenAI's range: [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 1024    # as the engine's bound (sampling_params.py)
 
 
 class RouterError(Exception):
@@ -97,6 +99,14 @@ def check_sampling(s: Sampling, limits: ModelLimits) -> None:
         if not stop:
             raise invalid(f"sampling.stop[{i}] is an empty string")
     _check_ids("sampling.stop_token_ids", s.stop_token_ids, limits)
+    if len(s.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise invalid(f"sampling.logit_bias has {len(s.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+    for tok, bias in s.logit_bias:
+        if not 0 <= tok < limits.vocab_size:
+            raise invalid(f"sampling.logit_bias token {tok} is not in the vocabulary [0, {limits.vocab_size})")
+        if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            raise invalid(f"sampling.logit_bias[{tok}] = {bias} must lie in "
+                          f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
 
 
 def effective_max_tokens(req: RequestSpec, prompt_len: int, limits: ModelLimits) -> int:

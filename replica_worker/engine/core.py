@@ -160,6 +160,10 @@ class EngineCore:
             raise InvalidRequestError(
                 f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
+        if params.logit_bias and params.logit_bias[-1][0] >= self.vocab_size:   # sorted pairs
+            raise InvalidRequestError(
+                f"logit_bias token id {params.logit_bias[-1][0]} is outside the vocabulary "
+                f"[0, {self.vocab_size})")
         if params.max_tokens is not None and len(resume) >= params.max_tokens:
             raise InvalidRequestError("resume_token_ids already reach max_tokens")
         longest = min(self.max_model_len, len(prompt) + (params.max_tokens or self.max_model_len))

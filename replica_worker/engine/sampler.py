@@ -1,7 +1,7 @@
 """Token sampling from the logits of the sampling rows, vectorized over the batch.
 
-Per row, in order (vLLM's): min_tokens masks EOS and stop_token_ids; the
-repetition, frequency and presence penalties; then greedy rows take argmax
+Per row, in order (vLLM's): logit_bias is added; min_tokens masks EOS and
+stop_token_ids; the repetition, frequency and presence penalties; then greedy rows take argmax
 of these float32 logits, and the others divide by temperature, cut by
 min-p, top-k and top-p (sampling_ops.cutoffs) and draw one token by inverse
 CDF from a single uniform draw. Logprobs are those of the model's raw
@@ -153,7 +153,7 @@ class Sampler:
             ids = argmax if argmax is not None else logits.argmax(dim=-1)
             return SampledBatch(ids, len(rows), plan.logprob_rows, plan.logprob_k, 0)
         dev = transfer(plan.sections, self.device)
-        changes = "mask_rows" in dev or plan.penalty_slots is not None
+        changes = "mask_rows" in dev or "bias_rows" in dev or plan.penalty_slots is not None
         raw = None
         if len(plan.logprob_rows):  # logprobs are of the raw logits: keep them before any change
             raw = logits[dev["logprob_rows"]] if changes or not plan.all_logprobs else logits
@@ -167,7 +167,9 @@ class Sampler:
         return self._pack(raw, ids, plan, dev)
 
     def _process_(self, logits: torch.Tensor, plan: SamplingPlan, dev: dict) -> None:
-        """min_tokens masks, then penalties, in place."""
+        """logit_bias, min_tokens masks, then penalties, in place."""
+        if "bias_rows" in dev:
+            logits.index_put_((dev["bias_rows"], dev["bias_tokens"]), dev["bias_values"], accumulate=True)
         if "mask_rows" in dev:
             logits.index_put_((dev["mask_rows"], dev["mask_tokens"]), self._neg_inf)
         if plan.penalty_slots is not None:

@@ -25,7 +25,7 @@ NUM_FLOAT_COLUMNS = 6
 TOP_K, FLAGS, LOGPROBS, MIN_TOKENS, SEED_LOW, SEED_HIGH = range(6, 12)  # the seed's 32-bit halves
 NUM_COLUMNS = 12
 
-GREEDY, SEEDED, PENALTIES, REPETITION_PENALTY = 1, 2, 4, 8
+GREEDY, SEEDED, PENALTIES, REPETITION_PENALTY, LOGIT_BIAS = 1, 2, 4, 8, 16
 NO_LOGPROBS = -1
 
 
@@ -38,6 +38,7 @@ def pack_params(p: "SamplingParams") -> bytes:
     )
     flags = (GREEDY * p.greedy) | (SEEDED * (p.seed is not None)) | (PENALTIES * p.uses_penalties)
     flags |= REPETITION_PENALTY * (p.repetition_penalty != 1.0)
+    flags |= LOGIT_BIAS * bool(p.logit_bias)
     seed = p.seed or 0
     ints = np.array(
         [max(p.top_k, 0), flags, NO_LOGPROBS if p.logprobs is None else p.logprobs, p.min_tokens,

@@ -17,6 +17,8 @@ from replica_worker.engine.seeded_draws import derived_seed
 # Below this temperature a request is greedy: dividing by it would overflow.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # as the OpenAI API's top_logprobs
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 1024  # bounds the per-step work a request can ask for
 _SEED_LIMIT = 1 << 64
 
 
@@ -38,6 +40,9 @@ class SamplingParams:
         logit -= frequency_penalty * count + presence_penalty * (count > 0).
     repetition_penalty: CTRL's, over prompt and output tokens: a seen token's
         logit is divided by it when positive, multiplied when not.
+    logit_bias: {token id: bias}, OpenAI's: added to those tokens' logits before
+        the penalties and sampling (greedy included); bias in [-100, 100]. Kept as
+        sorted (token, bias) pairs.
     """
 
     n: int = 1
@@ -55,11 +60,13 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the object stays hashable and frozen.
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._check_counts()
         self._check_distribution()
         self._check_penalties()
@@ -131,3 +138,21 @@ class SamplingParams:
         """
         return pack_params(self)
 
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """A logit_bias given as a dict or (token, bias) pairs -> sorted pairs, checked."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    pairs = {}
+    for token, value in items:
+        token, value = int(token), float(value)
+        if token < 0:
+            raise InvalidRequestError(f"logit_bias token ids must be non-negative, got {token}")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:   # also rejects NaN
+            raise InvalidRequestError(
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value} "
+                f"for token {token}")
+        pairs[token] = value
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(f"logit_bias has {len(pairs)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+    return tuple(sorted(pairs.items()))

@@ -63,6 +63,9 @@ class SamplingPlan:
         if min_tokens.any() or seeded.any():
             index = np.fromiter((r.num_output_tokens for r in rows), dtype=np.int64, count=len(rows))
             plan._plan_min_tokens(rows, np.flatnonzero(index < min_tokens), sampler.eos_token_ids, vocab_size)
+        bias_rows = np.flatnonzero(flags & si.LOGIT_BIAS)
+        if len(bias_rows):
+            plan._plan_logit_bias(rows, bias_rows)
         penalty_rows = np.flatnonzero(flags & si.PENALTIES)
         if len(penalty_rows):
             plan._plan_penalties(rows, cols, penalty_rows, sampler.penalty_state(vocab_size))
@@ -96,6 +99,15 @@ class SamplingPlan:
         if len(tokens):
             self.sections["mask_rows"] = np.concatenate(masked_rows)
             self.sections["mask_tokens"] = tokens
+
+    def _plan_logit_bias(self, rows: list, bias_rows: np.ndarray) -> None:
+        """(row, token, bias) triples to add to the logits."""
+        pairs = [rows[j].sampling_params.logit_bias for j in bias_rows.tolist()]
+        counts = np.fromiter((len(p) for p in pairs), dtype=np.int64, count=len(pairs))
+        flat = np.array([pair for p in pairs for pair in p], dtype=np.float64).reshape(-1, 2)
+        self.sections["bias_rows"] = np.repeat(bias_rows.astype(np.int64), counts)
+        self.sections["bias_tokens"] = flat[:, 0].astype(np.int64)
+        self.sections["bias_values"] = flat[:, 1].astype(np.float32)
 
     def _plan_penalties(self, rows: list, cols: np.ndarray, penalty_rows: np.ndarray, state) -> None:
         slots, rebuild = state.assign([rows[j] for j in penalty_rows.tolist()])

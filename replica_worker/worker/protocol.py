@@ -35,6 +35,7 @@ def sampling_from_pb(msg: gen_pb.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
+        logit_bias=dict(msg.logit_bias),
     )
 
 

@@ -10,7 +10,7 @@ import grpc
 from common.pb.quadriga.v1 import generation_pb2 as gpb
 from common.pb.quadriga.v1 import generation_pb2_grpc
 from router.malformed import Malformed
-from router.requests.spec import RequestSpec, Sampling
+from router.requests.spec import RequestSpec, Sampling, bias_pairs
 from router.validation import RouterError
 
 log = logging.getLogger(__name__)
@@ -19,10 +19,15 @@ GENERATE_METHOD = "/quadriga.v1.Generation/Generate"
 _REPEATED = frozenset({"stop", "stop_token_ids"})
 
 
+def _field(name: str, value):
+    if name in _REPEATED:
+        return tuple(value)
+    return bias_pairs(value) if name == "logit_bias" else value
+
+
 def spec_from_pb(msg: gpb.GenerateRequest) -> RequestSpec:
     # ListFields: only what the client set (optional fields by presence), in one call.
-    sampling = Sampling(**{fd.name: tuple(v) if fd.name in _REPEATED else v
-                           for fd, v in msg.sampling.ListFields()})
+    sampling = Sampling(**{fd.name: _field(fd.name, v) for fd, v in msg.sampling.ListFields()})
     return RequestSpec(request_id=msg.request_id, prompt=msg.prompt,
                        prompt_token_ids=tuple(msg.prompt_token_ids), sampling=sampling,
                        priority=msg.priority, stream_interval=msg.stream_interval)

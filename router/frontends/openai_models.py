@@ -2,8 +2,7 @@
 
 Only what the API defines is read; unknown fields are ignored, as OpenAI's
 own server and vLLM's do. Fields the API defines that would change the answer
-and that Quadriga does not implement (logit_bias, a response_format other than
-text, tools and functions, suffix, best_of above n) are refused with a 400 that
+and that Quadriga does not implement (a response_format other than text, tools and functions, suffix, best_of above n) are refused with a 400 that
 names them: ignoring them would return an answer the client did not ask for,
 and it could not tell. Extensions: top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, priority. Values are checked by the shared
@@ -57,8 +56,8 @@ class _Common(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool = False
     priority: int = 0
+    logit_bias: dict[str, float] | None = None   # token id (as a string) -> bias
     # Defined by the API, not implemented: refused when they would change the answer.
-    logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -71,7 +70,17 @@ class _Common(BaseModel):
                         ignore_eos=self.ignore_eos, stop=stop,
                         min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
                         frequency_penalty=self.frequency_penalty,
-                        repetition_penalty=self.repetition_penalty, logprobs=logprobs)
+                        repetition_penalty=self.repetition_penalty, logprobs=logprobs,
+                        logit_bias=self.bias_pairs())
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                pairs.append((int(key), float(bias)))
+            except ValueError:
+                raise invalid(f"logit_bias keys are token ids, not {key!r}") from None
+        return tuple(sorted(pairs))
 
     def check_n(self) -> None:
         """n, and the fields refused (the module's docstring says why); n > 1 with
@@ -83,8 +92,6 @@ class _Common(BaseModel):
 
     def refused_fields(self) -> list[str]:
         refused = []
-        if self.logit_bias:
-            refused.append("logit_bias")
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             refused.append(f"response_format of type {kind!r} (only 'text')")

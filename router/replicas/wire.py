@@ -9,8 +9,12 @@ from router.requests.spec import Sampling
 
 def sampling_pb(s: Sampling, max_tokens: int) -> gpb.SamplingParams:
     # The set fields, in one constructor call; max_tokens explicit, so the
-    # replica and the router agree on when the request ends.
-    return gpb.SamplingParams(**{**s.set_fields, "max_tokens": max_tokens})
+    # replica and the router agree on when the request ends. logit_bias's
+    # pairs become the wire's map.
+    fields = {**s.set_fields, "max_tokens": max_tokens}
+    if s.logit_bias:
+        fields["logit_bias"] = dict(s.logit_bias)
+    return gpb.SamplingParams(**fields)
 
 
 def assignment(req) -> rpb.Assignment:

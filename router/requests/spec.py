@@ -32,6 +32,7 @@ class Sampling:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logprobs: int | None = None         # None: none; k: the sampled token's and the top k
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs, sorted by token
 
     # The fields that are set, as plain JSON values (what Redis keeps), and their
     # JSON: made once, at construction, as every request reads them (digest,
@@ -72,4 +73,12 @@ _SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling) if f.init)
 
 def sampling_from_fields(d: dict) -> Sampling:
     kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+    if "logit_bias" in kw:   # JSON's [[token, bias], ...] back to pairs
+        kw["logit_bias"] = bias_pairs(kw["logit_bias"])
     return Sampling(**kw)
+
+
+def bias_pairs(items) -> tuple[tuple[int, float], ...]:
+    """A logit_bias as (token, bias) pairs sorted by token, from a mapping or pairs."""
+    pairs = items.items() if hasattr(items, "items") else items
+    return tuple(sorted((int(t), float(b)) for t, b in pairs))

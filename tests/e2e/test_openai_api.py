@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 import torch
+import transformers
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.redis_server import free_port
@@ -72,6 +73,25 @@ def test_completion_equals_transformers_greedy(stack, sdk, tiny_model, tok):
     assert out.choices[0].text == greedy_text(tiny_model, tok, ids, 12)
     assert out.choices[0].finish_reason == "length"
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 12)
+
+
+def test_logit_bias_steers_the_answer_as_transformers_sequence_bias_does(stack, sdk, tiny_model, tok):
+    """logit_bias travels router -> Redis -> replica -> sampler: the text equals
+    transformers' greedy text under the same one-token sequence biases."""
+    prompt = [5, 17, 230]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+
+    def greedy(**kw):
+        return hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0, **kw)[0, len(prompt):].tolist()
+
+    plain = greedy()
+    bias = {plain[0]: -100.0, 11: 1.5}
+    want = greedy(sequence_bias={(t,): b for t, b in bias.items()})
+    out = sdk.completions.create(model=model_name(stack), prompt=prompt, max_tokens=8, temperature=0,
+                                 logit_bias={str(t): b for t, b in bias.items()}, extra_body={"ignore_eos": True})
+    assert want[0] != plain[0]
+    assert out.choices[0].text == tok.decode(want)
 
 
 def test_completion_of_token_ids_and_several_prompts(stack, sdk, tiny_model, tok):
@@ -209,7 +229,9 @@ BAD = [
     ({"prompt": "x", "echo": True}, 400, "echo is not supported"),
     ({"prompt": "x", "suffix": "y"}, 400, "suffix is not supported"),
     ({"prompt": "x", "best_of": 3}, 400, "best_of above n"),
-    ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias is not supported"),
+    ({"prompt": "x", "logit_bias": {"five": 10}}, 400, "logit_bias keys are token ids"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias[5] = 101.0 must lie in [-100, 100]"),
+    ({"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias token 99999 is not in the vocabulary"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
 ]
 

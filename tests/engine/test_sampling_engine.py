@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -58,6 +60,42 @@ def test_repetition_penalty_greedy_equals_transformers_generate(llm, hf):
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, repetition_penalty=penalty,
                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
             assert out.outputs[0].token_ids == ref
+
+
+def test_logit_bias_greedy_equals_transformers_sequence_bias(llm, hf):
+    """logit_bias is added before the penalties and the argmax, as transformers' sequence
+    bias of one-token sequences is, and before its repetition penalty, as there."""
+    greedy = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for prompt in PROMPTS:
+        plain = llm.generate([prompt], SamplingParams(**greedy))[0].outputs[0].token_ids
+        bias = {plain[0]: -100.0, plain[3]: -1.5, 7: 2.0, 300: 0.5}
+        for extra in ({}, {"repetition_penalty": 1.3}):
+            got = llm.generate([prompt], SamplingParams(**greedy, logit_bias=bias, **extra))[0].outputs[0].token_ids
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                              pad_token_id=0, sequence_bias={(t,): b for t, b in bias.items()},
+                              **extra)[0, len(prompt):].tolist()
+            assert got == ref
+            assert got[0] != plain[0]
+
+
+def test_logit_bias_rows_keep_to_themselves_in_a_batch(llm):
+    biased = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logit_bias={9: 3.0, 12: -2.0})
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    alone = [llm.generate([p], biased if i % 2 else plain)[0].outputs[0].token_ids for i, p in enumerate(PROMPTS)]
+    together = llm.generate(PROMPTS, [biased if i % 2 else plain for i in range(len(PROMPTS))])
+    assert [o.outputs[0].token_ids for o in together] == alone
+
+
+@pytest.mark.parametrize("bias, words", [({-1: 1.0}, "non-negative"), ({5: 100.5}, "[-100, 100]"),
+                                         ({5: float("nan")}, "[-100, 100]")])
+def test_bad_logit_bias_is_refused(bias, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(llm):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2, logit_bias={10 ** 6: 1.0}))
 
 
 def test_presence_and_frequency_greedy_equal_a_direct_implementation(llm, hf):

@@ -90,6 +90,10 @@ BAD = [
     (gpb.GenerateRequest(prompt_token_ids=[1], sampling=gpb.SamplingParams(stop_token_ids=[10**6])),
      "stop_token_ids[0]"),
     (gpb.GenerateRequest(prompt_token_ids=[1], stream_interval=10**6), "stream_interval"),
+    (gpb.GenerateRequest(prompt_token_ids=[1], sampling=gpb.SamplingParams(logit_bias={10**6: 1.0})),
+     "logit_bias token 1000000"),
+    (gpb.GenerateRequest(prompt_token_ids=[1], sampling=gpb.SamplingParams(logit_bias={3: -250.0})),
+     "logit_bias[3] = -250.0"),
 ]
 
 
@@ -190,3 +194,38 @@ def test_health_reflection_and_metrics(redis_url, tiny_model, arun):
             await reps.close()
 
     arun(scenario())
+
+
+def test_logit_bias_reaches_the_replica_and_follows_a_requeue(redis_url, tiny_model, arun):
+    """The map travels in the Assign, and a request requeued from a dead replica
+    carries it to the next one."""
+    bias = {7: 2.5, 9: -1.0}
+
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            reps = Replicas(app.address, app.limits.vocab_size)
+            first = await reps.add("a", step_delay=0.05)
+            async with client(app.address) as stub:
+                task = asyncio.create_task(collect(stub, gpb.GenerateRequest(
+                    prompt_token_ids=[3, 4], sampling=gpb.SamplingParams(max_tokens=30, logit_bias=bias))))
+                await wait_until(lambda: first.rec.assignments)
+                second = await reps.add("b")
+                await reps.kill("a")
+                msgs = await task
+            assert len(tokens_of(msgs)) == 30
+            for replica in (first, second):
+                assert dict(replica.rec.assignments[0].sampling.logit_bias) == bias
+            await reps.close()
+
+    arun(scenario(), timeout=60)
+
+
+def test_a_specs_sampling_survives_its_json_in_redis():
+    """What a restarted or adopting router reads back (record.py) is the spec it stored."""
+    import json
+
+    from router.requests.spec import Sampling, sampling_from_fields
+
+    s = Sampling(max_tokens=5, temperature=0.5, stop=("a", "b"), stop_token_ids=(3,), logprobs=2,
+                 logit_bias=((4, -1.5), (9, 2.0)))
+    assert sampling_from_fields(json.loads(s.set_fields_json)) == s

@@ -24,29 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cquadriga/v1/generation.proto\x12\x0bquadriga.v1\"\x80\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\rH\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\xa9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.quadriga.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x17\n\x0fstream_interval\x18\x06 \x01(\r\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xf7\x01\n\x0eRequestTimings\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x1a\n\x12scheduling_delay_s\x18\x02 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x03 \x01(\x01\x12\x14\n\x0c\x65nd_to_end_s\x18\x04 \x01(\x01\x12\x12\n\nreplica_id\x18\x05 \x01(\t\x12\x13\n\x0bpreemptions\x18\x06 \x01(\r\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x15\n\routput_tokens\x18\x08 \x01(\r\x12\x10\n\x08requeues\x18\t \x01(\r\x12\x15\n\rcached_tokens\x18\n \x01(\r\"\x92\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\routput_offset\x18\x04 \x01(\r\x12\x35\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.quadriga.v1.FinishReasonH\x00\x88\x01\x01\x12,\n\x07timings\x18\x06 \x01(\x0b\x32\x1b.quadriga.v1.RequestTimings\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12,\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1a.quadriga.v1.TokenLogprobsB\x10\n\x0e_finish_reason\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x9a\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.quadriga.v1.GenerateRequest\x1a\x1d.quadriga.v1.GenerateResponse0\x01\x12\x41\n\x06\x43\x61ncel\x12\x1a.quadriga.v1.CancelRequest\x1a\x1b.quadriga.v1.CancelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cquadriga/v1/generation.proto\x12\x0bquadriga.v1\"\xf2\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\rH\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.quadriga.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\xa9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.quadriga.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x17\n\x0fstream_interval\x18\x06 \x01(\r\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xf7\x01\n\x0eRequestTimings\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x1a\n\x12scheduling_delay_s\x18\x02 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x03 \x01(\x01\x12\x14\n\x0c\x65nd_to_end_s\x18\x04 \x01(\x01\x12\x12\n\nreplica_id\x18\x05 \x01(\t\x12\x13\n\x0bpreemptions\x18\x06 \x01(\r\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x15\n\routput_tokens\x18\x08 \x01(\r\x12\x10\n\x08requeues\x18\t \x01(\r\x12\x15\n\rcached_tokens\x18\n \x01(\r\"\x92\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\routput_offset\x18\x04 \x01(\r\x12\x35\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.quadriga.v1.FinishReasonH\x00\x88\x01\x01\x12,\n\x07timings\x18\x06 \x01(\x0b\x32\x1b.quadriga.v1.RequestTimings\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12,\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1a.quadriga.v1.TokenLogprobsB\x10\n\x0e_finish_reason\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x9a\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.quadriga.v1.GenerateRequest\x1a\x1d.quadriga.v1.GenerateResponse0\x01\x12\x41\n\x06\x43\x61ncel\x12\x1a.quadriga.v1.CancelRequest\x1a\x1b.quadriga.v1.CancelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'quadriga.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1413
-  _globals['_FINISHREASON']._serialized_end=1562
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1527
+  _globals['_FINISHREASON']._serialized_end=1676
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=558
-  _globals['_GENERATEREQUEST']._serialized_start=561
-  _globals['_GENERATEREQUEST']._serialized_end=730
-  _globals['_TOKENLOGPROBS']._serialized_start=732
-  _globals['_TOKENLOGPROBS']._serialized_end=809
-  _globals['_REQUESTTIMINGS']._serialized_start=812
-  _globals['_REQUESTTIMINGS']._serialized_end=1059
-  _globals['_GENERATERESPONSE']._serialized_start=1062
-  _globals['_GENERATERESPONSE']._serialized_end=1336
-  _globals['_CANCELREQUEST']._serialized_start=1338
-  _globals['_CANCELREQUEST']._serialized_end=1373
-  _globals['_CANCELRESPONSE']._serialized_start=1375
-  _globals['_CANCELRESPONSE']._serialized_end=1410
-  _globals['_GENERATION']._serialized_start=1565
-  _globals['_GENERATION']._serialized_end=1719
+  _globals['_SAMPLINGPARAMS']._serialized_end=672
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=460
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=508
+  _globals['_GENERATEREQUEST']._serialized_start=675
+  _globals['_GENERATEREQUEST']._serialized_end=844
+  _globals['_TOKENLOGPROBS']._serialized_start=846
+  _globals['_TOKENLOGPROBS']._serialized_end=923
+  _globals['_REQUESTTIMINGS']._serialized_start=926
+  _globals['_REQUESTTIMINGS']._serialized_end=1173
+  _globals['_GENERATERESPONSE']._serialized_start=1176
+  _globals['_GENERATERESPONSE']._serialized_end=1450
+  _globals['_CANCELREQUEST']._serialized_start=1452
+  _globals['_CANCELREQUEST']._serialized_end=1487
+  _globals['_CANCELRESPONSE']._serialized_start=1489
+  _globals['_CANCELRESPONSE']._serialized_end=1524
+  _globals['_GENERATION']._serialized_start=1679
+  _globals['_GENERATION']._serialized_end=1833
 # @@protoc_insertion_point(module_scope)
