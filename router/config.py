@@ -27,6 +27,7 @@ class RouterConfig:
     metrics_port: int = 0              # 0: no metrics HTTP endpoint
     http_port: int = 0                 # OpenAI-compatible HTTP API; 0: off
     http_host: str = ""                # empty: the gRPC host
+    http_max_body_mib: float = 64.0    # larger request bodies get 413, unread
     queue_limit: int = 10_000          # queued (not yet assigned) requests
     no_replica_timeout: float = 30.0   # seconds a request waits for a first replica
     lease_ttl: float = 10.0
@@ -74,6 +75,8 @@ class RouterConfig:
         for name in ("metrics_port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 problems.append(f"{name}: {getattr(self, name)} is not a TCP port")
+        if not self.http_max_body_mib > 0:
+            problems.append(f"http_max_body_mib must be positive, not {self.http_max_body_mib}")
         if self.policy not in POLICIES:
             problems.append(f"policy: {self.policy!r} is not one of {sorted(POLICIES)}")
         if self.queue_limit < 1:

@@ -45,7 +45,7 @@ STATUS = {
     grpc.StatusCode.INTERNAL: 500,
 }
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               409: "conflict_error", 429: "rate_limit_error", 503: "unavailable_error",
+               409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable_error",
                500: "internal_error"}
 
 
@@ -117,6 +117,7 @@ class OpenAIFrontend:
         self.metrics = metrics
         self.limits = limits
         self.keys = config.api_key_set
+        self.max_body = int(config.http_max_body_mib * 2**20)
         self.app = self._build()
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
@@ -149,6 +150,11 @@ class OpenAIFrontend:
         async def router_error(_request, err: RouterError):
             self.metrics.rejections.labels(err.reason).inc()
             return error_response(STATUS.get(err.code, 500), err.message)
+
+        @app.exception_handler(BodyTooLarge)
+        async def too_large(_request, err: BodyTooLarge):
+            self.metrics.rejections.labels("body_too_large").inc()
+            return error_response(413, str(err))
 
         @app.exception_handler(RequestValidationError)
         async def bad_body(_request, err: RequestValidationError):
@@ -186,14 +192,14 @@ class OpenAIFrontend:
                               "unknown_model")
 
     async def completions(self, request: Request):
-        body = await _parse(request, CompletionRequest)
+        body = await _parse(request, CompletionRequest, self.max_body)
         self._check_model(body.model)
         rid = self._request_id(request)
         specs = body.specs(rid or "")
         return await self._serve(request, body, specs, rid, chat=False)
 
     async def chat_completions(self, request: Request):
-        body = await _parse(request, ChatCompletionRequest)
+        body = await _parse(request, ChatCompletionRequest, self.max_body)
         self._check_model(body.model)
         rid = self._request_id(request)
         messages = body.rendered_messages()
@@ -301,14 +307,36 @@ class OpenAIFrontend:
                 self.table.unsubscribe(req, sub)
 
 
-async def _parse(request: Request, model: type[BaseModel]):
+class BodyTooLarge(Exception):
+    """A request body past --http-max-body-mib: answered 413, the rest never read."""
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or BodyTooLarge as soon as it is known to pass `limit` bytes: from
+    Content-Length before a byte is read, else while it streams in, so a huge or
+    endless body never sits in the router's memory."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"the request body ({int(declared)} bytes) is larger than the router takes "
+                           f"({limit} bytes, --http-max-body-mib)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"the request body is larger than the router takes ({limit} bytes, "
+                               "--http-max-body-mib)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, model: type[BaseModel], limit: int):
     """The body through pydantic's own JSON validator. The two hot endpoints take
     the raw request rather than a typed body parameter: FastAPI's body path
     (content-type dispatch, json.loads, then validation of the dict) cost more
     router CPU per request than the rest of the handler. Errors take the same
     400 path and messages as FastAPI's own."""
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(await _read_body(request, limit))
     except ValidationError as err:
         raise RequestValidationError(err.errors(include_url=False)) from None
 

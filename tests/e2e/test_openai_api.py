@@ -26,7 +26,7 @@ def stack(tmp_path_factory, redis_server, tiny_model):
     st = LiveStack(tmp_path_factory.mktemp("openai"), redis_server.url, str(tiny_model),
                    router_args=("--http-port", str(free_port()), "--redis-prefix",
                                 f"oa{uuid.uuid4().hex[:6]}:", "--queue-limit", "64",
-                                "--metrics-port", str(free_port())))
+                                "--http-max-body-mib", "1", "--metrics-port", str(free_port())))
     st.http_port = int(st.router_args[1])
     st.metrics_port = int(st.router_args[-1])
     st.start_router()
@@ -262,6 +262,24 @@ def test_bad_chat_and_bad_json(stack):
     r = httpx.post(base(stack) + "/v1/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_a_body_past_the_bound_gets_413_and_disturbs_no_one(stack, sdk):
+    """--http-max-body-mib 1 here: refused from Content-Length, and a chunked body
+    without one is cut off once it passes the bound; the router serves on."""
+    big = json.dumps({"prompt": "x" * (2 << 20), "max_tokens": 1}).encode()
+    r = httpx.post(base(stack) + "/v1/completions", content=big, timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "--http-max-body-mib" in r.json()["error"]["message"], r.text
+
+    def chunks():
+        for _ in range(20):   # 1.25 MiB of JSON whitespace: past the bound, not a body
+            yield b" " * 65536
+    r = httpx.post(base(stack) + "/v1/completions", content=chunks(), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    out = sdk.completions.create(model=model_name(stack), prompt="still serving", max_tokens=2)
+    assert out.choices[0].finish_reason in ("length", "stop")
 
 
 def test_a_client_disconnect_cancels_the_request(stack):
