@@ -11,7 +11,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 python3 -m pytest -q -p no:cacheprovider tests/engine/test_flashinfer_cuda.py tests/engine/test_runner_cuda.py \
     tests/engine/test_sampler_cuda.py tests/engine/test_fused_ops.py tests/engine/test_fp8_cuda.py \
-    tests/engine/test_async_scheduling_cuda.py tests/engine/test_small_m_gemv.py tests/engine/test_decode_kernels_cuda.py 2>&1 | tee "$out/cuda_tests.log" | tail -25
+    tests/engine/test_async_scheduling_cuda.py tests/engine/test_small_m_gemv.py \
+    tests/engine/test_decode_kernels_cuda.py 2>&1 | tee "$out/cuda_tests.log" | tail -25
 timeout 120 python3 benchmarks/gpu/bench_first_prefill.py --out "$out/first_prefill_h200.json" 2>&1 | tail -4
 python3 -m benchmarks.engine.sampler_bench --device cuda --vocab 128256 2>&1 | tail -12
 cp benchmarks/results/sampler_cuda.json "$out/" 2>/dev/null

@@ -2,9 +2,10 @@
 
 Only what the API defines is read; unknown fields are ignored, as OpenAI's
 own server and vLLM's do. Fields the API defines that would change the answer
-and that Quadriga does not implement (a response_format other than text, tools and functions, suffix, best_of above n) are refused with a 400 that
-names them: ignoring them would return an answer the client did not ask for,
-and it could not tell. Extensions: top_k, min_p, repetition_penalty,
+and that Quadriga does not implement (a response_format other than text, tools
+and functions, echo, suffix, best_of above n) are refused with a 400 that names
+them: ignoring them would return an answer the client did not ask for, and it
+could not tell. Extensions: top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, priority. Values are checked by the shared
 validation (router/validation.py), so both front doors say the same thing
 about the same mistake.
