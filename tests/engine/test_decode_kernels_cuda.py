@@ -28,14 +28,18 @@ def _recapture(llm, store: bool, gemv_rows: int) -> None:
     runner.graphs = DecodeGraphs(runner, max_batch)
 
 
-def test_rope_with_the_kv_store_gives_the_same_tokens(tiny_model_factory, monkeypatch):
+def test_rope_with_the_kv_store_gives_the_same_tokens(tmp_path_factory, monkeypatch):
+    from common.tiny_model import build_tiny_model
     from replica_worker import LLM, SamplingParams
     from replica_worker.engine.model import parallel
+    from tests.engine.test_flashinfer_cuda import ENGINE, TINY
 
     monkeypatch.setattr(parallel, "SMALL_M_GEMV_ROWS", 0)
-    llm = LLM(str(tiny_model_factory("llama3")), device="cuda", dtype="bfloat16", load_format="dummy",
-              max_num_seqs=8, enable_prefix_caching=False)
-    if getattr(llm.engine.runner.model.fused, "__name__", "").split(".")[-1] != "triton_ops":
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny128"), "llama3", **TINY)   # head_dim 128
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", enable_prefix_caching=False, **ENGINE)
+    runner = llm.engine.runner
+    assert runner.backend.name == "flashinfer" and runner.graphs is not None
+    if getattr(runner.model.fused, "__name__", "").split(".")[-1] != "triton_ops":
         pytest.skip("the Triton kernels are not the fused ops here")
     prompts = [list(range(3, 40)), list(range(50, 53)), [7] * 70]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -45,7 +49,11 @@ def test_rope_with_the_kv_store_gives_the_same_tokens(tiny_model_factory, monkey
 
     base = tokens()
     _recapture(llm, True, 0)
+    calls = []
+    real = runner.backend.kv_store_rows
+    monkeypatch.setattr(runner.backend, "kv_store_rows", lambda *a: calls.append(1) or real(*a))
     assert tokens() == base      # the same fp32 arithmetic, rounded at the same points
+    assert calls                 # the eager prefills took the fused path (graphs baked it in)
     _recapture(llm, False, 0)
 
 
