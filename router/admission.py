@@ -104,8 +104,10 @@ class Admission:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- open ----
-    async def open(self, spec: RequestSpec) -> RequestState:
-        """Validates and accepts a request, or finds the one it re-attaches to."""
+    async def open(self, spec: RequestSpec, made_id: str | None = None) -> RequestState:
+        """Validates and accepts a request, or finds the one it re-attaches to.
+        made_id: the id to give a request without a client's id (a front door that
+        names its calls itself); it must be unique, as a fresh random id is."""
         check_request(spec, self.limits)
         if not spec.stream_interval:
             # Stored and sent to the replica as resolved here, so the replica
@@ -120,7 +122,7 @@ class Admission:
         ids = list(spec.prompt_token_ids) if spec.prompt_token_ids else await self._tokenize(spec.prompt)
         max_tokens = effective_max_tokens(spec, len(ids), self.limits)
         await self._wait_for_replica()
-        rid = spec.request_id or uuid.uuid4().hex
+        rid = spec.request_id or made_id or uuid.uuid4().hex
         found = self._in_memory(rid, digest)  # the same id may have arrived meanwhile
         if found is not None:
             return found

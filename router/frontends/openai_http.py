@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
-import uuid
 
 import grpc
 import uvicorn
@@ -144,7 +144,13 @@ class OpenAIFrontend:
 
     # ---- the app ----
     def _build(self) -> FastAPI:
-        app = FastAPI(title="Quadriga", openapi_url=None, docs_url=None, redoc_url=None)
+        # telemetry off: the router exports Prometheus metrics, and FastAPI's
+        # OpenTelemetry hooks looked their providers up in the environment on every
+        # request. The body bound is _read_body's, not max_body_size's: that one
+        # answers a too-large Content-Length in plain text, and every error here
+        # takes OpenAI's JSON shape.
+        app = FastAPI(title="Quadriga", openapi_url=None, docs_url=None, redoc_url=None,
+                      telemetry={"tracing": False, "metrics": False, "logs": False})
 
         @app.exception_handler(RouterError)
         async def router_error(_request, err: RouterError):
@@ -216,8 +222,13 @@ class OpenAIFrontend:
 
     # ---- one call: admit its requests, then stream or answer ----
     async def _serve(self, request: Request, body, specs, rid: str | None, chat: bool):
-        reqs = await self._open_all(specs)
-        call_id = rid or uuid.uuid4().hex
+        # Without a client's X-Request-Id the router names the call, and its requests
+        # after it as a client's id would name them (ID, or ID-index of several): the
+        # header sent back is then a real id, and a client cut off mid-call may
+        # re-attach with it. They stay ids the router made (poppable at once).
+        made = None if rid else os.urandom(16).hex()
+        reqs = await self._open_all(specs, made)
+        call_id = rid or made
         meta = render.CallMeta(id=("chatcmpl-" if chat else "cmpl-") + call_id,
                                model=self.config.served_model_name, created=int(time.time()),
                                chat=chat, n=body.n, include_usage=body.include_usage)
@@ -228,10 +239,12 @@ class OpenAIFrontend:
                                      media_type="text/event-stream")
         return await self._answer(request, reqs, meta, tokenizer, headers)
 
-    async def _open_all(self, specs):
+    async def _open_all(self, specs, made: str | None):
         if len(specs) == 1:  # the common call: no gather, no task per request
-            return [await self.admission.open(specs[0])]
-        results = await asyncio.gather(*(self.admission.open(s) for s in specs), return_exceptions=True)
+            return [await self.admission.open(specs[0], made)]
+        names = [f"{made}-{i}" if made else None for i in range(len(specs))]
+        results = await asyncio.gather(*(self.admission.open(s, name) for s, name in zip(specs, names)),
+                                       return_exceptions=True)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is None:
             return results

@@ -338,14 +338,20 @@ def test_api_keys_guard_the_http_api(tmp_path, redis_url, tiny_model):
         st.stop()
 
 
-def test_reattach_by_request_id_after_a_router_sigkill(tmp_path, redis_url, tiny_model, tok):
-    port = free_port()
+@pytest.mark.parametrize("named_by", ["client", "router"])
+def test_reattach_by_request_id_after_a_router_sigkill(tmp_path, redis_url, tiny_model, tok, named_by):
+    """With the client's X-Request-Id, or the one the router sent back when the
+    client gave none: either names the request, so a call cut off by the
+    router's death re-attaches with it and gets the whole output."""
+    port, metrics_port = free_port(), free_port()
     st = LiveStack(tmp_path, redis_url, str(tiny_model),
-                   router_args=("--http-port", str(port), "--lease-ttl", "20"))
+                   router_args=("--http-port", str(port), "--lease-ttl", "20",
+                                "--metrics-port", str(metrics_port)))
+    st.metrics_port = metrics_port
     prompt = [31, 32, 33]
     body = {"prompt": prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    headers = {"X-Request-Id": "survives"}
+    headers = {"X-Request-Id": "survives"} if named_by == "client" else {}
     try:
         st.start_router()
         st.start_replica("r0")
@@ -354,17 +360,19 @@ def test_reattach_by_request_id_after_a_router_sigkill(tmp_path, redis_url, tiny
         with pytest.raises(httpx.HTTPError):
             with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers,
                               timeout=30) as r:
+                rid = r.headers["x-request-id"]
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         got.append(json.loads(line[6:])["choices"][0]["text"])
                     if len(got) == 5:
                         st.router.proc.send_signal(signal.SIGKILL)
+        assert rid == "survives" if named_by == "client" else len(rid) == 32
         st.router.proc.wait()
         st.start_router()
         text, finish = "", None
-        with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers,
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers={"X-Request-Id": rid},
                           timeout=60) as r:
-            assert r.headers["x-request-id"] == "survives"
+            assert r.headers["x-request-id"] == rid
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     choice = json.loads(line[6:])["choices"][0]
@@ -372,5 +380,7 @@ def test_reattach_by_request_id_after_a_router_sigkill(tmp_path, redis_url, tiny
                     finish = choice["finish_reason"] or finish
         assert text == tok.decode(hf_greedy(str(tiny_model), [prompt], 300)[0])
         assert text.startswith("".join(got)) and finish == "length"
+        # re-attached, not asked afresh (greedy would give the same text either way)
+        assert router_sample(st, "quadriga_requests_accepted_total") == 0
     finally:
         st.stop()
