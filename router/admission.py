@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import uuid
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -122,7 +122,8 @@ class Admission:
         ids = list(spec.prompt_token_ids) if spec.prompt_token_ids else await self._tokenize(spec.prompt)
         max_tokens = effective_max_tokens(spec, len(ids), self.limits)
         await self._wait_for_replica()
-        rid = spec.request_id or made_id or uuid.uuid4().hex
+        # Random, so unguessable: anyone holding an id may re-attach and read the output.
+        rid = spec.request_id or made_id or os.urandom(16).hex()
         found = self._in_memory(rid, digest)  # the same id may have arrived meanwhile
         if found is not None:
             return found
