@@ -7,7 +7,8 @@
 # prepare-carry.sh, which brings redis-server and the gRPC/Redis packages):
 #   bash benchmarks/gpu/run_router_tier.sh .carry $OUT
 # RATES="..." overrides the ladder of offered req/s; FAILOVER_S the failover run's length (15 s),
-# FAILOVER_ROUTERS=0 skips it; ROUTERS="1 4" the router counts (1 2 4).
+# FAILOVER_ROUTERS=0 skips it; ROUTERS="1 4" the router counts (1 2 4); TIER_TIMEOUT the
+# benchmark's own limit (530 s).
 # A dry run here: NO_CARRY=1 PYTHON=.venv/bin/python SMALL=1 bash benchmarks/gpu/run_router_tier.sh - /tmp/tier
 set -uo pipefail
 carry=${1:-.carry}; out=$(mkdir -p "${2:-/tmp/out}" && cd "${2:-/tmp/out}" && pwd)
@@ -24,4 +25,4 @@ else
   size=(--routers ${ROUTERS:-1 2 4} --replicas 64 --per-process 16 --rates ${RATES:-50 100 150 200 250 500 1000}
         --duration 8 --clients 4 --failover-routers ${FAILOVER_ROUTERS:-4} --failover-duration ${FAILOVER_S:-15})
 fi
-timeout 530 $PY -m benchmarks.router.tier "${size[@]}" --out "$out/router_tier.json" 2>&1 | tail -40
+timeout ${TIER_TIMEOUT:-530} $PY -m benchmarks.router.tier "${size[@]}" --out "$out/router_tier.json" 2>&1 | tail -40

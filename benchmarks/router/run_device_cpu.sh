@@ -12,6 +12,11 @@
 #                                                                  # every sample and the router sustains a tenth of the rate):
 #                                                                  # OUT/profile.tar of p.SIDE.TOKENS.RATE and their top frames
 #   bash benchmarks/router/run_device_cpu.sh CARRY OUT peers      # HTTP path beside sglang/vllm-router
+#   bash benchmarks/router/run_device_cpu.sh CARRY OUT tier       # sglang-router before mock backends, 64-token
+#                                                                  # answers (peers.py's: answered whole, not
+#                                                                  # streamed; #16's figure for scale), then the
+#                                                                  # router tier (run_router_tier.sh's ladder: RATES,
+#                                                                  # ROUTERS, FAILOVER_S as there), one call, one box
 # Each phase stays under the device's 10 minutes a call; JSONs land in OUT.
 set -uo pipefail
 carry=${1:-.carry-cpu}; out=${2:-/tmp/out}; phase=${3:-overhead}
@@ -47,7 +52,12 @@ case "$phase" in
     timeout 560 python3 -m benchmarks.router.peers --peers-site "$QUADRIGA_PEERS_SITE" --mock-workers 4 \
         --repeats 3 --duration 5 --profile-dir "$out/profile" --machine-note "$note" \
         --out "$out/router_peers.json" ;;
-  *) echo "unknown phase $phase (overhead | peers)"; exit 2 ;;
+  tier)
+    timeout 90 python3 -m benchmarks.router.peers --peers-site "$QUADRIGA_PEERS_SITE" --only sglang-router \
+        --max-tokens 64 --concurrency 64 --repeats 2 --duration 5 --mock-workers 4 --machine-note "$note" \
+        --out "$out/router_tier_sglang.json"
+    NO_CARRY=1 PYTHON=python3 TIER_TIMEOUT=${TIER_TIMEOUT:-420} bash benchmarks/gpu/run_router_tier.sh - "$out" ;;
+  *) echo "unknown phase $phase (overhead | profile | peers | tier)"; exit 2 ;;
 esac
 rc=$?
 echo "load after: $(cat /proc/loadavg)"
