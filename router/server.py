@@ -46,6 +46,20 @@ from router.validation import ModelLimits
 
 log = logging.getLogger(__name__)
 
+# Seconds a step of a stop may take (beyond its own bound, where it has one) before the
+# stop goes on without it: a stop must end, or a rollout waits for the SIGKILL.
+STEP_DEADLINE = 3.0
+
+
+async def _bounded(step: str, awaitable, seconds: float | None = None) -> None:
+    seconds = STEP_DEADLINE if seconds is None else seconds
+    try:
+        await asyncio.wait_for(awaitable, seconds)
+    except asyncio.TimeoutError:
+        log.error("stopping: the %s did not stop within %g s; going on without it", step, seconds)
+    except Exception:
+        log.exception("stopping: the %s failed; going on", step)
+
 SERVICE_NAMES = (
     generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
     replica_pb2.DESCRIPTOR.services_by_name["ReplicaGateway"].full_name,
@@ -186,11 +200,14 @@ class RouterApp:
         return port
 
     async def stop(self, grace: float = 1.0) -> None:
-        """The graceful stop described above; cancels no request."""
+        """The graceful stop described above; cancels no request. Each step has a
+        deadline (_bounded): one that overruns is logged by name and the stop goes
+        on, so a SIGTERM always ends the process, after the writes were drained."""
         self.admission.stopping = True
-        await self.health.enter_graceful_shutdown()
-        await self.scheduler.stop()
-        await self.reaper.stop()
+        await _bounded("health status", self.health.enter_graceful_shutdown())
+        # The scheduler waits up to a lease for a pop in flight, whose Assign must go out.
+        await _bounded("scheduler", self.scheduler.stop(), self.config.lease_ttl + STEP_DEADLINE)
+        await _bounded("reaper", self.reaper.stop())
         for session in list(self.registry.sessions.values()):
             session.close(grpc.StatusCode.UNAVAILABLE, "the router is restarting; keep your work "
                                                        "and re-register")
@@ -198,36 +215,36 @@ class RouterApp:
             log.warning("%d writes were not durable within %g s; replicas still hold their "
                         "output", self.writer.pending, self.config.shutdown_timeout)
         self.table.detach_clients(SHUTDOWN_MESSAGE)
-        await self._stop_events()
+        await _bounded("event reader", self._stop_events())
         await asyncio.sleep(0)  # let the client streams see it before the server cancels them
         if self.http is not None:
-            await self.http.stop()
+            await _bounded("HTTP server", self.http.stop())
         if self.server is not None:
-            await self.server.stop(grace)
-        await self.writer.stop()
-        await self.lease.release()
-        await self._close()
+            await _bounded("gRPC server", self.server.stop(grace), grace + STEP_DEADLINE)
+        await _bounded("Redis writer", self.writer.stop())
+        await _bounded("router lease", self.lease.release())   # else it lapses by itself
+        await _bounded("Redis connections", self._close())
 
     async def abandon(self) -> None:
         """Fenced: another router may own what this one held, so it writes nothing
         more, ends every stream (clients re-attach, replicas reconnect) and closes."""
         self.admission.stopping = True
         self.table.stopping = True
-        await self.lease.stop()
+        await _bounded("router lease", self.lease.stop())
         for session in list(self.registry.sessions.values()):
             session.close(grpc.StatusCode.UNAVAILABLE, "the router lost its Redis lease; reconnect")
         self.table.detach_clients(FENCED_MESSAGE)
         await asyncio.sleep(0)
         # Streams end first, so clients and replicas move on while the rest stops.
         if self.http is not None:
-            await self.http.stop()
+            await _bounded("HTTP server", self.http.stop())
         if self.server is not None:
-            await self.server.stop(0)
-        await self.scheduler.stop()
-        await self.reaper.stop()
-        await self._stop_events()
-        await self.writer.stop()
-        await self._close()
+            await _bounded("gRPC server", self.server.stop(0))
+        await _bounded("scheduler", self.scheduler.stop(), self.config.lease_ttl + STEP_DEADLINE)
+        await _bounded("reaper", self.reaper.stop())
+        await _bounded("event reader", self._stop_events())
+        await _bounded("Redis writer", self.writer.stop())
+        await _bounded("Redis connections", self._close())
 
     async def _stop_events(self) -> None:
         if self.events is not None:

@@ -325,3 +325,36 @@ def test_a_running_record_missing_from_the_lease_set_is_requeued_on_attach(redis
             await reps2.close()
 
     arun(scenario())
+
+
+def test_a_stop_step_that_hangs_is_named_and_the_stop_goes_on(redis_url, tiny_model, arun, caplog,
+                                                             monkeypatch):
+    """A SIGTERM must end the router: a step of the stop that never returns (here the
+    event reader's) is cut off at its deadline and logged by name, and the steps
+    after it still run (the lease is given up)."""
+    from router import server as server_module
+    from router.server import RouterApp
+
+    monkeypatch.setattr(server_module, "STEP_DEADLINE", 0.3)
+
+    async def scenario():
+        app = RouterApp(make_config(redis_url, tiny_model))
+        await app.start()
+        released = []
+        real_release = app.lease.release
+
+        async def never_stops():
+            await asyncio.Event().wait()
+
+        async def release():
+            released.append(1)
+            await real_release()
+
+        app._stop_events = never_stops
+        app.lease.release = release
+        with caplog.at_level(logging.ERROR, logger="router.server"):
+            await asyncio.wait_for(app.stop(grace=0.1), 10)
+        assert released
+        assert "the event reader did not stop within 0.3 s" in caplog.text
+
+    arun(scenario())
