@@ -280,6 +280,7 @@ async def serve(config: RouterConfig) -> None:
         if stop.is_set():
             log.info("shutting down: streams end, nothing is cancelled")
             await app.stop()
+            log.info("stopped")   # what follows is the event loop's own teardown
             return
         log.error("fenced: starting over as a new router")
         await app.abandon()
