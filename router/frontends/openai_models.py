@@ -17,7 +17,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.requests.spec import RequestSpec, Sampling
+from router.requests.spec import RequestSpec, Sampling, bias_pairs
 from router.validation import MAX_STREAM_INTERVAL, invalid
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -75,13 +75,10 @@ class _Common(BaseModel):
                         logit_bias=self.bias_pairs())
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
-        pairs = []
-        for key, bias in (self.logit_bias or {}).items():
-            try:
-                pairs.append((int(key), float(bias)))
-            except ValueError:
-                raise invalid(f"logit_bias keys are token ids, not {key!r}") from None
-        return tuple(sorted(pairs))
+        bad = [key for key in (self.logit_bias or {}) if not key.strip().lstrip("-").isdigit()]
+        if bad:
+            raise invalid(f"logit_bias keys are token ids, not {bad[0]!r}")
+        return bias_pairs(self.logit_bias or {})
 
     def check_n(self) -> None:
         """n, and the fields refused (the module's docstring says why); n > 1 with
