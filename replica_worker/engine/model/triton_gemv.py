@@ -72,7 +72,7 @@ if triton is not None:
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) by output features; the first row whose
 # bound is at least N applies. Chosen to give every SM several programs on the
 # Llama-3.1-8B shapes (q|k|v 6144, o/down 4096, gate|up 28672, vocabulary 128256);
-# bench_small_m_gemv.py measures these beside its other candidates.
+# benchmarks/gpu/bench_decode_kernels.py measures these beside its other candidates.
 CONFIGS = (
     (8192, (16, 256, 4, 4)),
     (32768, (32, 256, 4, 4)),
