@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import threading
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -49,6 +51,24 @@ log = logging.getLogger(__name__)
 # Seconds a step of a stop may take (beyond its own bound, where it has one) before the
 # stop goes on without it: a stop must end, or a rollout waits for the SIGKILL.
 STEP_DEADLINE = 3.0
+
+
+# Seconds the event loop's teardown may take after a finished stop (it cancels what
+# tasks are left and joins the default executor) before the process exits anyway.
+TEARDOWN_DEADLINE = 5.0
+
+
+def exit_if_teardown_hangs(seconds: float) -> None:
+    """The stop is done: every write durable, every stream ended. Should what follows
+    it (the event loop's teardown) hang, the process exits anyway, with 0."""
+    def expire() -> None:
+        log.error("the event loop's teardown took over %g s after the stop; exiting", seconds)
+        logging.shutdown()
+        os._exit(0)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
 
 
 async def _bounded(step: str, awaitable, seconds: float | None = None) -> None:
@@ -280,7 +300,8 @@ async def serve(config: RouterConfig) -> None:
         if stop.is_set():
             log.info("shutting down: streams end, nothing is cancelled")
             await app.stop()
-            log.info("stopped")   # what follows is the event loop's own teardown
+            log.info("stopped")
+            exit_if_teardown_hangs(TEARDOWN_DEADLINE)
             return
         log.error("fenced: starting over as a new router")
         await app.abandon()

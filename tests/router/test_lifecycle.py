@@ -358,3 +358,20 @@ def test_a_stop_step_that_hangs_is_named_and_the_stop_goes_on(redis_url, tiny_mo
         assert "the event reader did not stop within 0.3 s" in caplog.text
 
     arun(scenario())
+
+
+def test_a_hung_teardown_after_the_stop_still_ends_the_process(tmp_path):
+    """After a finished stop, a process whose teardown never ends exits anyway, with 0."""
+    import subprocess
+    import sys
+    import time
+
+    script = ("import threading\n"
+              "from router import server\n"
+              "server.exit_if_teardown_hangs(0.3)\n"
+              "threading.Event().wait()\n")   # a teardown that never ends
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - started < 30
+    assert "teardown took over 0.3 s after the stop; exiting" in done.stderr
