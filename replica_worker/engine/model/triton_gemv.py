@@ -70,12 +70,12 @@ if triton is not None:
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) by output features; the first row whose
-# bound is at least N applies. Chosen to give every SM several programs on the
-# Llama-3.1-8B shapes (q|k|v 6144, o/down 4096, gate|up 28672, vocabulary 128256);
-# benchmarks/gpu/bench_decode_kernels.py measures these beside its other candidates.
+# bound is at least N applies. The fastest of bench_decode_kernels.py's candidates on
+# one H100 for the Llama-3.1-8B shapes (benchmarks/results/gpu/decode_kernels_h100.json):
+# o_proj and down_proj (4096 features) at (32, 256), q|k|v (6144), gate|up (28672)
+# and the vocabulary (128256) at (64, 128) or within 1% of their best.
 CONFIGS = (
-    (8192, (16, 256, 4, 4)),
-    (32768, (32, 256, 4, 4)),
+    (4096, (32, 256, 4, 4)),
     (1 << 62, (64, 128, 4, 4)),
 )
 
