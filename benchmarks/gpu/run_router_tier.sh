@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu/run_router_tier.sh .carry $OUT
 # RATES="..." overrides the ladder of offered req/s; FAILOVER_S the failover run's length (15 s),
 # FAILOVER_ROUTERS=0 skips it; ROUTERS="1 4" the router counts (1 2 4); TIER_TIMEOUT the
-# benchmark's own limit (530 s).
+# benchmark's own limit (530 s); PER_PROCESS simulated replicas a process (8: 8 processes, so
+# no simulator process binds near 700 req/s); CLIENTS load generator processes (8).
 # A dry run here: NO_CARRY=1 PYTHON=.venv/bin/python SMALL=1 bash benchmarks/gpu/run_router_tier.sh - /tmp/tier
 set -uo pipefail
 carry=${1:-.carry}; out=$(mkdir -p "${2:-/tmp/out}" && cd "${2:-/tmp/out}" && pwd)
@@ -22,7 +23,7 @@ if [ -n "${SMALL:-}" ]; then
   size=(--routers 1 2 --replicas 8 --per-process 4 --rates 10 20 --duration 3 --clients 1
         --failover-routers 2 --failover-duration 6)
 else
-  size=(--routers ${ROUTERS:-1 2 4} --replicas 64 --per-process 16 --rates ${RATES:-50 100 150 200 250 500 1000}
-        --duration 8 --clients 4 --failover-routers ${FAILOVER_ROUTERS:-4} --failover-duration ${FAILOVER_S:-15})
+  size=(--routers ${ROUTERS:-1 2 4} --replicas 64 --per-process ${PER_PROCESS:-8}
+        --rates ${RATES:-50 100 150 200 250 500 1000} --duration 8 --clients ${CLIENTS:-8} --failover-routers ${FAILOVER_ROUTERS:-4} --failover-duration ${FAILOVER_S:-15})
 fi
 timeout ${TIER_TIMEOUT:-530} $PY -m benchmarks.router.tier "${size[@]}" --out "$out/router_tier.json" 2>&1 | tail -40

@@ -109,7 +109,7 @@ class Tier:
             except OSError:   # exited meanwhile
                 return 0.0
         return dict(redis=of(self.redis.proc), routers=[of(p) for p in self.routers],
-                    sims=sum(of(p) for p in self.sims))
+                    sims=[of(p) for p in self.sims])
 
     def load(self, rate: float, duration: float, seed: int, kill_at: float | None = None) -> dict:
         """One open-loop run, split over --clients load generator processes;
@@ -152,7 +152,10 @@ class Tier:
         cores = dict(redis=(cpu_after["redis"] - cpu_before["redis"]) / wall,
                      routers=[(after - before) / wall if after else None   # None: killed
                               for before, after in zip(cpu_before["routers"], cpu_after["routers"])],
-                     sims=(cpu_after["sims"] - cpu_before["sims"]) / wall)
+                     sims=sum(cpu_after["sims"]) / wall - sum(cpu_before["sims"]) / wall,
+                     busiest_sim=max(after - before for before, after in
+                                     zip(cpu_before["sims"], cpu_after["sims"])) / wall,
+                     clients=[r["cpu_s"] / r["elapsed_s"] for r in runs])
         return dict(offered_rps=rate, records=records, killed_at_s=killed, cores_busy=cores)
 
     def stop(self) -> None:
@@ -178,7 +181,8 @@ def ladder(args, work, model, n: int) -> dict:
                   f"lost {row['lost']}  ttft p50 {row['ttft_p50_ms']:7.1f} p99 {row['ttft_p99_ms']:7.1f} ms  "
                   f"added p50 {row['added_ttft_p50_ms']:6.1f} p99 {row['added_ttft_p99_ms']:7.1f} ms  "
                   f"cores: redis {cores['redis']:.2f}, busiest router "
-                  f"{max(c for c in cores['routers'] if c is not None):.2f}"
+                  f"{max(c for c in cores['routers'] if c is not None):.2f}, busiest sim process "
+                  f"{cores['busiest_sim']:.2f}, busiest load generator {max(cores['clients']):.2f}"
                   f"{'' if row['sustained'] else '  (not sustained)'}", flush=True)
             if not row["sustained"]:
                 break

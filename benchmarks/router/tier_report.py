@@ -18,8 +18,11 @@ DEFINITIONS = {
                   "stream hop",
     "cores_busy": "CPU seconds each server process used during the rate's run (user + sys, all "
                   "its threads) / the run's wall time: Redis (one core at most for its commands), "
-                  "each router (null once killed), all simulated replicas together; a process near "
-                  "1.0 that cannot use more binds the rate",
+                  "each router (null once killed), all simulated replicas together (sims) and the "
+                  "busiest simulator process (busiest_sim); clients: each load generator process's "
+                  "own CPU over its run / its run's length. A process near 1.0 that cannot use "
+                  "more binds the rate: a router or Redis is a finding, a simulator or load "
+                  "generator is the benchmark's own limit (give it more processes)",
     "lost": "requests that did not finish with the exact simulated output (the rule of "
             "replica_worker/sim/runner.py)",
     "duplicated_tokens": "tokens a client stream delivered at an offset it already had",
