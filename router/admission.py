@@ -127,8 +127,9 @@ class Admission:
         found = self._in_memory(rid, digest)  # the same id may have arrived meanwhile
         if found is not None:
             return found
-        req, stored = self.table.admit(spec, ids, max_tokens,
-                                       self.scheduler.arrival_queue(ids, max_tokens), rid, digest)
+        queue = self.scheduler.arrival_queue(ids, max_tokens)
+        req, stored = self.table.admit(spec, ids, max_tokens, queue, rid, digest,
+                                       tell_others=not self.scheduler.takes_arrival(queue))
         try:
             # The writer fails the reply's future past submit_timeout, and a
             # client gone cancels it; either way the writer still stores the

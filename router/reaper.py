@@ -68,6 +68,7 @@ class Reaper:
         for req in self.table.expired_detached(now):
             self.ops.lease_lapsed(req)
         self.writer.post(self.store.sweep_inflight(cfg.lease_ttl)).on_done = self._swept
+        self.scheduler.probe_shared_queue()
         self.ops.expire_prefix_views(mono)
         index = self.ops.prefix_index
         self.metrics.sync_prefix_index(len(index), index.evictions)

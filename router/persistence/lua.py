@@ -28,18 +28,23 @@ from __future__ import annotations
 
 from router.persistence.lua_common import FINISH_EVENT, fenced
 
-# ARGV: prefix, then 12 per request:
+# ARGV: prefix, then 13 per request:
 #   id, submit token, digest, spec json, packed prompt ids, prompt_len,
-#   max_tokens, priority, arrival, arrival_us, stream_interval, queue name
+#   max_tokens, priority, arrival, arrival_us, stream_interval, queue name,
+#   kick (1: tell the other routers of it)
 # -> 3 per request: 1, member, '' when stored (also when this very submit
 #    stored it before: same token); 0, digest, state when the id is taken.
-# The caller is the request's front. An arrival in the shared queue wakes the
-# other routers (kick_), once per call.
+# The caller is the request's front. An arrival in the shared queue with kick
+# 1 wakes the other routers (kick_), once per call. A caller with a replica
+# ready to take it passes 0 and pops it itself (KICK afterwards if it could
+# not: router/scheduling/pull.py), so the other routers do not race it for
+# the request (a request run by another router than its front costs an
+# event a delta).
 SUBMIT = fenced("""
 local prefix = ARGV[1]
 local out = {}
 local shared = false
-for i = 2, #ARGV, 12 do
+for i = 2, #ARGV, 13 do
   local id = ARGV[i]
   local h = prefix .. 'req:' .. id
   if redis.call('EXISTS', h) == 1 then
@@ -61,7 +66,7 @@ for i = 2, #ARGV, 12 do
       'st', 'q', 'rq', 0, 'n', 0, 'fe', router_, 'br', '', 'sat', now_)
     redis.call('ZADD', prefix .. 'q:' .. ARGV[i + 11], -tonumber(ARGV[i + 7]), member)
     redis.call('SADD', prefix .. 'live', id)
-    shared = shared or ARGV[i + 11] == 'pending'
+    shared = shared or (ARGV[i + 11] == 'pending' and ARGV[i + 12] == '1')
     out[#out + 1] = 1
     out[#out + 1] = member
     out[#out + 1] = ''
@@ -70,7 +75,7 @@ end
 if shared then kick_() end
 return out
 """)
-SUBMIT_ITEM_ARGS = 12
+SUBMIT_ITEM_ARGS = 13
 SUBMIT_REPLY_ITEMS = 3
 
 # What both pops share. KEYS: queue zset, inflight zset.
@@ -246,6 +251,14 @@ if shared then kick_() end
 return 1
 """)
 REQUEUE_ITEM_ARGS = 5
+
+# Tells every other live router the shared queue has work: a router that
+# stored arrivals without a kick (SUBMIT) and left some of them queued.
+# ARGV: prefix.
+KICK = fenced("""
+kick_()
+return 1
+""")
 
 # Moves queued requests between queues (a gone replica's set is redistributed).
 # ARGV: prefix, then 3 per request: id, source queue ('' = wherever it is), destination.

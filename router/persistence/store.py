@@ -119,6 +119,7 @@ class Store:
         self._step = self.lean.script(lua.STEP)
         self._requeue = self.lean.script(lua.REQUEUE)
         self._move = self.lean.script(lua.MOVE)
+        self._kick = self.lean.script(lua.KICK)
         self._finish = self.lean.script(lua.FINISH)
         self._abandon = self.lean.script(lua.ABANDON)
         self._leases = self.lean.script(lua.LEASES)
@@ -167,11 +168,14 @@ class Store:
 
     # ---- writes (see lua.py for each script's arguments) ----
     def submit(self, rid: str, token: str, digest: str, spec_json: str, prompt_ids, max_tokens: int,
-               priority: int, arrival: float, stream_interval: int, queue: str) -> Write:
-        """Reply: (1, member, b'') stored; (0, digest, state) the id is taken."""
+               priority: int, arrival: float, stream_interval: int, queue: str,
+               tell_others: bool = True) -> Write:
+        """Reply: (1, member, b'') stored; (0, digest, state) the id is taken.
+        tell_others False: no kick to the other routers (the caller pops it itself)."""
         return Write(self._submit, (self.prefix,),
                      (rid, token, digest, spec_json, pack_tokens(prompt_ids), len(prompt_ids),
-                      max_tokens, priority, repr(arrival), int(arrival * 1e6), stream_interval, queue),
+                      max_tokens, priority, repr(arrival), int(arrival * 1e6), stream_interval, queue,
+                      1 if tell_others else 0),
                      reply_arity=lua.SUBMIT_REPLY_ITEMS, item_args=lua.SUBMIT_ITEM_ARGS, bounded=True)
 
     def pop(self, queue: str, replica: str, max_requests: int, max_prompt_tokens: int | None,
@@ -228,6 +232,10 @@ class Store:
     def move(self, items: list) -> Write:
         """items: (id, source queue or '', destination) flattened."""
         return Write(self._move, (self.prefix,), items, item_args=lua.MOVE_ITEM_ARGS)
+
+    def kick(self) -> Write:
+        """Tells the other live routers the shared queue has work (lua.KICK)."""
+        return Write(self._kick, (self.prefix,), reply_arity=-1)
 
     def finish(self, rid: str, fields: dict) -> Write:
         items = [rid, len(fields)]

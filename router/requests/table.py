@@ -172,9 +172,11 @@ class RequestTable(CrossRouter):
 
     # ---- admit ----
     def admit(self, spec: RequestSpec, prompt_ids: list[int], max_tokens: int, queue: str,
-              rid: str, digest: str):
+              rid: str, digest: str, tell_others: bool = True):
         """A new request, QUEUED in memory; returns it and the future of its submit
-        write, which fails with TimeoutError past the writer's reply_timeout."""
+        write, which fails with TimeoutError past the writer's reply_timeout.
+        tell_others False: its submit does not wake the other routers (this
+        router's scheduler takes it, or tells them itself)."""
         assert rid not in self.requests, rid
         now = time.time()
         req = RequestState(spec, prompt_ids, rid=rid, digest=digest, max_tokens=max_tokens,
@@ -191,7 +193,7 @@ class RequestTable(CrossRouter):
         spec_json = spec.sampling.set_fields_json
         future = self.writer.call_timed(self.store.submit(
             rid, req.submit_token, digest, spec_json, prompt_ids, max_tokens, spec.priority, now,
-            spec.stream_interval, queue))
+            spec.stream_interval, queue, tell_others))
         if req.poppable:
             self.on_queued()
         return req, future

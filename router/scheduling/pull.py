@@ -56,6 +56,11 @@ class PullScheduler:
         self._pop_ids = itertools.count()
         self._pop_prefix = uuid.uuid4().hex[:12]
         self._shared_work = True   # the shared queue may hold work (cleared by a pop that empties it)
+        # Arrivals stored in the shared queue without a kick to the other routers
+        # (takes_arrival), numbered; those up to _kicks_covered were taken (a pop
+        # sent after their submits emptied the queue) or announced (KICK).
+        self._deferred = 0
+        self._kicks_covered = 0
         # Replicas whose own queue may hold work this router does not hold (placed by
         # an earlier router); cleared by a pop that empties it.
         self._own_work: set[str] = set()
@@ -149,9 +154,45 @@ class PullScheduler:
             except asyncio.TimeoutError:
                 self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self._settle_kicks(leaving=True)   # what this router deferred, the others take from here
 
     def kick(self) -> None:
         self._wake.set()
+
+    def takes_arrival(self, queue: str) -> bool:
+        """Whether an arrival in `queue` may be stored without waking the other
+        routers: it goes to the shared queue and this router's replicas have a
+        seat for it (and for every arrival deferred before it and not yet
+        popped). Then this router pops it, no other router races it for the
+        request (one that won would run it for this front, an event a delta),
+        and the round that cannot take it all announces it (_settle_kicks).
+        The table wakes the pop once the request may be popped (at once for an
+        id this router made, after the submit's reply for a client's)."""
+        if queue != PENDING or self.paused:
+            return False
+        seats = sum(self._credit[s.id].seats(self.table.owned_count(s.id)) for s in self._pullers())
+        if self._deferred - self._kicks_covered >= seats:
+            return False
+        self._deferred += 1
+        return True
+
+    def _settle_kicks(self, leaving: bool = False) -> None:
+        """After a round: deferred arrivals that no pop proved taken, while the
+        shared queue may hold work this router could not take (or it leaves),
+        may wait there, and only this router knows: tell the others. With the
+        queue thought empty, an arrival not yet announced is one whose submit
+        has not been confirmed: its confirmation wakes the round that pops it."""
+        if self._kicks_covered < self._deferred and (self._shared_work or leaving):
+            self._kicks_covered = self._deferred
+            self.writer.post(self.store.kick())
+
+    def probe_shared_queue(self) -> None:
+        """The reaper's tick: with a replica that has seats and the shared queue
+        thought empty, pop once anyway. A kick lost (its router killed between a
+        deferred submit and its pop, events trimmed) then delays a request by
+        one tick, not until the next arrival."""
+        if not self._shared_work and not self.paused and self._pullers():
+            self.work_arrived()
 
     def work_arrived(self) -> None:
         """Something may wait in the shared queue (an arrival, a requeue, here or
@@ -171,6 +212,8 @@ class PullScheduler:
                 log.exception("dispatch round failed; retrying on the next event")
                 await asyncio.sleep(0.05)
                 self._wake.set()
+            finally:
+                self._settle_kicks()
 
     def _pullers(self) -> list:
         """Sessions with credit they can use, oldest Pull first."""
@@ -241,6 +284,7 @@ class PullScheduler:
         credit = self._credit[session.id]
         pop, reasons = self._pop(session, queue, credit)
         named = reasons is not None
+        deferred_before = self._deferred   # the pop comes after these arrivals' submits
         if queue == PENDING:
             self._shared_work = False   # an arrival during the pop sets it again
         reply = await self.writer.call(pop)
@@ -250,6 +294,8 @@ class PullScheduler:
                 self._shared_work = True
         elif queue != PENDING:
             self._own_work.discard(session.id)
+        elif self._kicks_covered < deferred_before:
+            self._kicks_covered = deferred_before   # the queue emptied: every one was taken
         if not popped:
             if named:
                 return False   # its picks went elsewhere meanwhile: proves nothing about the queue

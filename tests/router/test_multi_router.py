@@ -6,11 +6,12 @@ pull affinity with work another router submitted)."""
 
 import asyncio
 import contextlib
+import time
 import uuid
 
 from common.pb.quadriga.v1 import generation_pb2 as gpb
 from router.server import RouterApp
-from tests.router.test_prefix_policies import H16, SHARED, with_shared
+from tests.router.test_prefix_policies import H16, HITS_DECIDE, SHARED, with_shared
 from tests.router.test_scheduling import assigned_ids, submit_in_order, wait_until
 from tests.support.router_harness import (Replicas, client, collect, make_config, request,
                                           running_router, tokens_of)
@@ -260,6 +261,91 @@ def test_a_resend_whose_submit_is_overtaken_by_a_pop_of_the_stored_request(redis
                 for msgs in (await second, await first):
                     assert tokens_of(msgs) == expected_tokens([6, 2], 12, vocab)
                     assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
+            await reps.close()
+
+    arun(scenario())
+
+
+async def kicks_heard(app) -> int:
+    """'q' events (the shared queue has work) in this router's event stream."""
+    entries = await app.store.redis.xrange(app.store.events_key(app.lease.router_id))
+    return sum(1 for _, fields in entries if fields.get(b"k") == b"q")
+
+
+def test_an_arrival_a_local_replica_can_take_wakes_no_other_router(redis_url, tiny_model, arun):
+    """Both routers' replicas have seats; every request A accepts (ids A made
+    and clients' ids) runs on A's replica, and B is never told of them: a kick
+    would have it race A for each request, and run the ones it won for A's
+    clients through A's event stream."""
+
+    async def scenario():
+        async with two_routers(redis_url, tiny_model) as (a, b):
+            vocab = a.limits.vocab_size
+            reps_a, reps_b = Replicas(a.address, vocab), Replicas(b.address, vocab)
+            near = await reps_a.add("near", capacity=4, step_delay=0.002)
+            far = await reps_b.add("far", capacity=4, step_delay=0.002)
+            await wait_for_remote_replicas(a)
+            await wait_for_remote_replicas(b)
+            async with client(a.address) as stub:
+                for k in range(4):
+                    batch = [request([k + 2, i + 1], 6, **({"request_id": f"c{k}-{i}"} if i % 2 else {}))
+                             for i in range(3)]
+                    results = await asyncio.gather(*(collect(stub, r) for r in batch))
+                    for r, msgs in zip(batch, results):
+                        assert tokens_of(msgs) == expected_tokens(list(r.prompt_token_ids), 6, vocab)
+            assert len(near.rec.assignments) == 12 and not far.rec.assignments
+            assert await kicks_heard(b) == 0
+            await reps_a.close()
+            await reps_b.close()
+
+    arun(scenario())
+
+
+def test_an_arrival_left_queued_by_its_router_is_announced_at_once(redis_url, tiny_model, arun):
+    """A's free replica had a seat when the request came (so no kick went with
+    its submit), but A's policy leaves it for A's busy replica, which holds its
+    prefix: the round that left it tells B at once, and B's free replica takes
+    it, instead of after B's next probe (the reaper's tick, 2 s here)."""
+
+    async def scenario():
+        async with two_routers(redis_url, tiny_model, heartbeat_interval=2.0, lease_ttl=6.0,
+                               pull_affinity_max_wait=30.0, **HITS_DECIDE) as (a, b):
+            vocab = a.limits.vocab_size
+            reps_a, reps_b = Replicas(a.address, vocab), Replicas(b.address, vocab)
+            await reps_a.add("holder", auto_pull=False, prefix_cache=True, cached=tuple(H16.hashes(SHARED)))
+            cold = await reps_a.add("cold", auto_pull=False, prefix_cache=True)
+            cold.pull(1)
+            await wait_until(lambda: a.scheduler.credit_of("cold").requests == 1)
+            far = await reps_b.add("far", step_delay=0.002)
+            await wait_for_remote_replicas(b, 2)
+            async with client(a.address) as stub:
+                task = asyncio.create_task(collect(stub, request(with_shared([5]), 6)))
+                await asyncio.wait_for(wait_until(lambda: len(far.rec.assignments) == 1), 1.0)
+                msgs = await task
+            assert tokens_of(msgs) == expected_tokens(with_shared([5]), 6, vocab)
+            assert not cold.rec.assignments
+            await reps_a.close()
+            await reps_b.close()
+
+    arun(scenario())
+
+
+def test_a_request_no_router_was_told_of_is_found_by_the_probe(redis_url, tiny_model, arun):
+    """A request stored in the shared queue without a kick whose router never
+    popped it (as when that router is killed between the two): B's replica
+    has a seat and B thinks the queue empty; its reaper's probe pops it."""
+
+    async def scenario():
+        async with two_routers(redis_url, tiny_model) as (a, b):
+            vocab = b.limits.vocab_size
+            reps = Replicas(b.address, vocab)
+            far = await reps.add("far", step_delay=0.002)
+            await wait_for_remote_replicas(a)
+            await wait_until(lambda: not b.scheduler._shared_work)
+            await a.writer.call(a.store.submit("orphan", "tok", "d", "{}", [3, 4], 5, 0, time.time(), 1,
+                                               "pending", tell_others=False))
+            assert await kicks_heard(b) == 0
+            await wait_until(lambda: assigned_ids(far) == ["orphan"])
             await reps.close()
 
     arun(scenario())
