@@ -61,7 +61,8 @@ class Tier:
                 ["-m", "router", "--port", str(port), "--host", "127.0.0.1", "--redis-url",
                  self.redis.url, "--model", str(self.model), "--metrics-port", str(mport),
                  "--heartbeat-interval", "0.5", "--lease-ttl", "10",
-                 "--queue-limit", "100000", "--log-level", "WARNING"]))
+                 "--queue-limit", "100000", "--log-level", "WARNING"],
+                cwd=a.router_tree or ROOT))
         processes = max(1, a.replicas // a.per_process)
         for i in range(processes):
             order = self.addresses[i % self.n:] + self.addresses[:i % self.n]
@@ -77,8 +78,8 @@ class Tier:
             warm_up(address)
         return self
 
-    def _spawn(self, argv: list[str]) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=self.log,
+    def _spawn(self, argv: list[str], cwd: Path = ROOT) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, *argv], cwd=cwd, stdout=self.log,
                                 stderr=subprocess.STDOUT)
 
     def replicas_connected(self) -> int:
@@ -238,6 +239,8 @@ def parse_args(argv=None):
     p.add_argument("--failover-duration", type=float, default=15.0)
     p.add_argument("--window-s", type=float, default=0.5, help="TTFT p99 windows (failover)")
     p.add_argument("--records", help="failover: the raw records (JSON) too")
+    p.add_argument("--router-tree", help="run the routers of this tree (a checkout or `git archive` "
+                                         "of another commit); the rest from this one")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/router_tier.json"))
     return p.parse_args(argv)
 
