@@ -181,8 +181,11 @@ class PullScheduler:
         shared queue may hold work this router could not take (or it leaves),
         may wait there, and only this router knows: tell the others. With the
         queue thought empty, an arrival not yet announced is one whose submit
-        has not been confirmed: its confirmation wakes the round that pops it."""
-        if self._kicks_covered < self._deferred and (self._shared_work or leaving):
+        has not been confirmed: its confirmation wakes the round that pops it.
+        With a round due at once (woken meanwhile: an arrival during the last
+        pop), that round pops first and settles after."""
+        if self._kicks_covered < self._deferred and (
+                leaving or (self._shared_work and not self._wake.is_set())):
             self._kicks_covered = self._deferred
             self.writer.post(self.store.kick())
 

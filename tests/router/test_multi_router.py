@@ -286,8 +286,18 @@ def test_an_arrival_a_local_replica_can_take_wakes_no_other_router(redis_url, ti
             far = await reps_b.add("far", capacity=4, step_delay=0.002)
             await wait_for_remote_replicas(a)
             await wait_for_remote_replicas(b)
+            # B's probe (a pop each reaper tick while its replica idles) may take
+            # a request in the moment between A's submit and A's pop; only a
+            # kick is under test here (the probe: the last test of this file).
+            b.scheduler.probe_shared_queue = lambda: None
+            def seats_at_a() -> int:
+                credit = a.scheduler.credit_of("near")
+                return credit.seats(a.table.owned_count("near")) if credit else 0
+
             async with client(a.address) as stub:
                 for k in range(4):
+                    # Each arrival has a seat waiting (else a kick is right).
+                    await wait_until(lambda: seats_at_a() >= 3)
                     batch = [request([k + 2, i + 1], 6, **({"request_id": f"c{k}-{i}"} if i % 2 else {}))
                              for i in range(3)]
                     results = await asyncio.gather(*(collect(stub, r) for r in batch))
