@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -53,6 +54,14 @@ def measure(args, work: Path, model: Path, routers: int, tree: str | None) -> di
                 redis_cores=round(cores["redis"], 3), commands=per_request)
 
 
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tier_bench.ROOT, text=True,
+                              capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--routers", type=int, nargs="+", default=[1, 2])
@@ -80,7 +89,7 @@ def main(argv=None) -> int:
                       f"cores: routers {row['router_cores']:.2f} Redis {row['redis_cores']:.2f}", flush=True)
     out = dict(command=" ".join(shlex.quote(a) for a in [sys.executable, "-m", "benchmarks.router.tier_redis_cost",
                                                          *(argv if argv is not None else sys.argv[1:])]),
-               sides={name: tree or "this tree" for name, tree in sides},
+               sides={name: tree or "this tree" for name, tree in sides}, commit=_commit(),
                settings={k: v for k, v in vars(args).items() if k not in ("out", "compare")},
                method="one tier a row (Redis, routers, simulated replicas, load generators as processes); "
                       "Redis INFO commandstats reset after a warm-up, divided by the requests of one "
