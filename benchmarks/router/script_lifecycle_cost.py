@@ -65,10 +65,14 @@ def _measure(n: int) -> dict:
                                          now, 0, "pending") for rid in ids])}
     out["pop"] = phase([store.pop("pending", "rep1", 1, None, now + 30, now, f"p{i}")
                         for i in range(n)])
+    from router.persistence import lua as tree_lua
+
     step = []
     for rid in ids:
-        step.append(store.step([rid, 0, b"\x07\x00\x00\x00", 0, "x", "0.001", "0.002", 1,
-                                "length", "", "rep1", repr(now), "", "", "", 0, 1]))
+        finish = (rid, 0, b"\x07\x00\x00\x00", 0, "x", "0.001", "0.002", 1, "length", "", "rep1",
+                  repr(now), "", "", "", 0, 1)
+        # Trees before the plain/full STEP forms take the fields flat.
+        step.append(store.step([finish] if hasattr(tree_lua, "STEP_FULL_ARGS") else list(finish)))
     out["step"] = phase(step)
     out["total"] = out["submit"] + out["pop"] + out["step"]
     left = r.scard("b:live")

@@ -282,10 +282,16 @@ return 1
 MOVE_ITEM_ARGS = 3
 
 # Everything one flush of StepOutputs (from any replicas) records.
-# ARGV: prefix, ttl seconds, then 17 per delta:
-#   id, token byte offset, packed tokens, text byte offset, text, ft, fs,
-#   finished (1/0), fr, err, rep, fin, pre, logprob byte offset, packed logprobs,
-#   cached tokens, expected assignment count
+# ARGV: prefix, ttl seconds, then per delta one of two forms, by its first
+# argument:
+#   'p', id, token byte offset, packed tokens, text byte offset, text,
+#        expected assignment count: a plain delta (output only), the form of
+#        almost every step; idle, Redis spends 9-20% less CPU on it than on
+#        the same delta in the full form at 8 deltas a call
+#        (benchmarks/router/step_forms_cost.py)
+#   'f', id, token byte offset, packed tokens, text byte offset, text, ft, fs,
+#        finished (1/0), fr, err, rep, fin, pre, logprob byte offset,
+#        packed logprobs, cached tokens, expected assignment count
 # ('' = nothing to write for that field). A delta is written only while the
 # request runs under that assignment with the caller as its back router;
 # otherwise (requeued, adopted elsewhere, cancelled, expired) it is dropped.
@@ -296,28 +302,39 @@ MOVE_ITEM_ARGS = 3
 STEP = fenced(FINISH_EVENT + """
 local prefix, ttl = ARGV[1], tonumber(ARGV[2])
 local written = {}
-for i = 3, #ARGV, 17 do
-  local id = ARGV[i]
+local i = 3
+while i <= #ARGV do
+  local id, tok_at, toks, txt_at, txt, want_n
+  local ft, fs, finished, lp_at, lp, ct = '', '', false, '0', '', ''
+  local f = i   -- the full form's finish fields: ARGV[f + 9] (fr) .. ARGV[f + 13] (pre)
+  if ARGV[i] == 'p' then
+    id, tok_at, toks, txt_at, txt, want_n = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4],
+      ARGV[i + 5], ARGV[i + 6]
+    i = i + 7
+  else
+    id, tok_at, toks, txt_at, txt = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]
+    ft, fs, finished = ARGV[i + 6], ARGV[i + 7], ARGV[i + 8] == '1'
+    lp_at, lp, ct, want_n = ARGV[i + 14], ARGV[i + 15], ARGV[i + 16], ARGV[i + 17]
+    i = i + 18
+  end
   local h = prefix .. 'req:' .. id
   local st, n, br, fe = unpack(redis.call('HMGET', h, 'st', 'n', 'br', 'fe'))
-  if st == 'r' and n == ARGV[i + 16] and (br or '') == router_ then
+  if st == 'r' and n == want_n and (br or '') == router_ then
     local o, t, l = prefix .. 'out:' .. id, prefix .. 'txt:' .. id, prefix .. 'lp:' .. id
-    if ARGV[i + 2] ~= '' then redis.call('SETRANGE', o, tonumber(ARGV[i + 1]), ARGV[i + 2]) end
-    if ARGV[i + 4] ~= '' then redis.call('SETRANGE', t, tonumber(ARGV[i + 3]), ARGV[i + 4]) end
-    if ARGV[i + 14] ~= '' then redis.call('SETRANGE', l, tonumber(ARGV[i + 13]), ARGV[i + 14]) end
+    if toks ~= '' then redis.call('SETRANGE', o, tonumber(tok_at), toks) end
+    if txt ~= '' then redis.call('SETRANGE', t, tonumber(txt_at), txt) end
+    if lp ~= '' then redis.call('SETRANGE', l, tonumber(lp_at), lp) end
     local fields = {}   -- one HSET for the delta's stamps and its finish
-    if ARGV[i + 5] ~= '' then fields[#fields + 1] = 'ft'; fields[#fields + 1] = ARGV[i + 5] end
-    if ARGV[i + 6] ~= '' then fields[#fields + 1] = 'fs'; fields[#fields + 1] = ARGV[i + 6] end
-    if ARGV[i + 15] ~= '' then fields[#fields + 1] = 'ct'; fields[#fields + 1] = ARGV[i + 15] end
-    if ARGV[i + 2] ~= '' or ARGV[i + 4] ~= '' then
-      tell_fronts_(fe, 'k', 'd', 'id', id, 'n', n, 'o', ARGV[i + 1], 't', ARGV[i + 2],
-        'xo', ARGV[i + 3], 'x', ARGV[i + 4], 'lo', ARGV[i + 13], 'l', ARGV[i + 14],
-        'ft', ARGV[i + 5], 'fs', ARGV[i + 6], 'ct', ARGV[i + 15])
+    if ft ~= '' then fields[#fields + 1] = 'ft'; fields[#fields + 1] = ft end
+    if fs ~= '' then fields[#fields + 1] = 'fs'; fields[#fields + 1] = fs end
+    if ct ~= '' then fields[#fields + 1] = 'ct'; fields[#fields + 1] = ct end
+    if toks ~= '' or txt ~= '' then
+      tell_fronts_(fe, 'k', 'd', 'id', id, 'n', n, 'o', tok_at, 't', toks, 'xo', txt_at, 'x', txt,
+        'lo', lp_at, 'l', lp, 'ft', ft, 'fs', fs, 'ct', ct)
     end
-    local finished = ARGV[i + 7] == '1'
     if finished then
-      for _, v in ipairs({'fr', ARGV[i + 8], 'err', ARGV[i + 9], 'rep', ARGV[i + 10],
-          'fin', ARGV[i + 11], 'pre', ARGV[i + 12], 'st', 'f', 'q', '', 'o', '', 'br', ''}) do
+      for _, v in ipairs({'fr', ARGV[f + 9], 'err', ARGV[f + 10], 'rep', ARGV[f + 11],
+          'fin', ARGV[f + 12], 'pre', ARGV[f + 13], 'st', 'f', 'q', '', 'o', '', 'br', ''}) do
         fields[#fields + 1] = v
       end
     end
@@ -338,7 +355,8 @@ for i = 3, #ARGV, 17 do
 end
 return written
 """)
-STEP_ITEM_ARGS = 17
+STEP_PLAIN_ARGS = 6    # a plain delta's fields, after its 'p'
+STEP_FULL_ARGS = 17    # a full delta's fields, after its 'f'
 
 # Ends requests that did not finish through a step (cancel, errors, requeue
 # limit), queued or running; a finished one is left as it is. A request

@@ -220,9 +220,15 @@ class Store:
         """Members left in the popped queue once the pop ran (0: it is empty)."""
         return int(reply[-1])
 
-    def step(self, items: list) -> Write:
-        """items: 17 per delta (lua.STEP); reply: per delta 1 written, 0 dropped."""
-        return Write(self._step, (self.prefix, self.ttl), items, item_args=lua.STEP_ITEM_ARGS,
+    def step(self, deltas: list) -> Write:
+        """deltas: one tuple each, lua.STEP's plain form (6 fields) or its full
+        form (17); reply: per delta 1 written, 0 dropped."""
+        args: list = []
+        for d in deltas:
+            assert len(d) in (lua.STEP_PLAIN_ARGS, lua.STEP_FULL_ARGS), len(d)
+            args.append("p" if len(d) == lua.STEP_PLAIN_ARGS else "f")
+            args.extend(d)
+        return Write(self._step, (self.prefix, self.ttl), args, item_count=len(deltas),
                      reply_arity=1)
 
     def requeue(self, items: list) -> Write:

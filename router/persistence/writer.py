@@ -63,6 +63,7 @@ class Write:
     items: tuple | list = ()
     reply_arity: int = 0             # replies per item in a merged call; -1: own call, whole reply
     item_args: int = 1               # arguments per item (splits a merged call's reply)
+    item_count: int = 0              # items, when they differ in length (else len(items) / item_args)
     numkeys: int = 0
     on_done: Callable[[object], None] | None = None
     bounded: bool = False            # counts against the pending-submit bound
@@ -71,6 +72,11 @@ class Write:
     @property
     def mergeable(self) -> bool:
         return self.script is not None and self.reply_arity >= 0
+
+    @property
+    def count(self) -> int:
+        """Items in this write (its share of a merged call's reply)."""
+        return self.item_count or len(self.items) // self.item_args
 
 
 class PermanentWriteError(RuntimeError):
@@ -366,10 +372,10 @@ class _Flight:
             if key is not None and key == last_key:
                 cmd = commands[-1]
                 self.spans.append((len(commands) - 1, cmd[1]))
-                cmd[1] += len(w.items) // w.item_args
+                cmd[1] += w.count
                 cmd[2].extend(w.items)
             else:
-                commands.append([w, len(w.items) // w.item_args if w.mergeable else 0, list(w.items)])
+                commands.append([w, w.count if w.mergeable else 0, list(w.items)])
                 self.spans.append((len(commands) - 1, 0))
             last_key = key
         return [tuple(items) if first.script is None else
@@ -403,7 +409,6 @@ class _Flight:
             index, first_item = span
             reply = replies[index]
             if w.mergeable and w.reply_arity > 0 and not isinstance(reply, ReplyError):
-                n = len(w.items) // w.item_args
-                reply = reply[first_item * w.reply_arity:(first_item + n) * w.reply_arity]
+                reply = reply[first_item * w.reply_arity:(first_item + w.count) * w.reply_arity]
             out.append(reply)
         return out

@@ -306,12 +306,12 @@ class RequestTable(CrossRouter):
         Redis drops (the request moved on meanwhile: requeued, adopted elsewhere,
         cancelled by another router) is taken back (remote.py: step_dropped)."""
         now = time.time()
-        args: list = []
+        deltas: list = []
         marks = []
         for req, d in items:
             assert req.phase is Phase.RUNNING and req.owner == replica_id, (req.id, req.phase)
             before = (len(req.tokens), len(req.parts), len(req.logprobs), req.text_bytes)
-            args += self._step_item(req, d, replica_id, now)
+            deltas.append(self._step_item(req, d, replica_id, now))
             marks.append((req, len(req.tokens), len(req.parts), req.finished, before))
         if self.writer.stalled:
             for req, n_tok, n_parts, finished, _ in marks:
@@ -328,12 +328,13 @@ class RequestTable(CrossRouter):
                     self._forget_finished(req)
             on_durable()
 
-        write = self.store.step(args) if args else self.store.barrier(None)
+        write = self.store.step(deltas) if deltas else self.store.barrier(None)
         write.on_done = durable
         self.writer.post(write)
 
     def _step_item(self, req: RequestState, d, replica_id: str, now: float) -> tuple:
-        """One delta into memory; returns its lua.STEP arguments."""
+        """One delta into memory; returns its lua.STEP fields, in the plain form
+        when it carries output only."""
         metrics = self.metrics
         tokens = d.token_ids
         tok_offset, txt_offset = 4 * len(req.tokens), req.text_bytes
@@ -369,6 +370,8 @@ class RequestTable(CrossRouter):
             return (req.id, tok_offset, packed, txt_offset, text, ft, fs, 1, req.finish_reason,
                     req.error, req.replica_id, repr(req.finished_at), req.preemptions,
                     lp_offset, lp, ct, req.assignments)
+        if not (ft or fs or lp or ct):
+            return (req.id, tok_offset, packed, txt_offset, text, req.assignments)
         return (req.id, tok_offset, packed, txt_offset, text, ft, fs, 0, "", "", "", "", "",
                 lp_offset, lp, ct, req.assignments)
 

@@ -97,7 +97,7 @@ def test_every_script_run_twice_is_run_once(redis_url, arun):
             step = [("a", 0, pack_tokens([7, 8]), 0, b"xy", "1.0", "", 0, "", "", "", "", "", 0, b"",
                      "", 1)]
             for _ in range(2):
-                assert await writer.call(store.step([v for item in step for v in item])) == [1]
+                assert await writer.call(store.step(step)) == [1]
             assert await r.get("idem:out:a") == pack_tokens([7, 8])
             assert await r.get("idem:txt:a") == b"xy"
 
@@ -319,5 +319,39 @@ def test_named_pop_takes_from_the_head_once_another_request_leads(redis_url, aru
             # so h6 (not held, leading then) is not taken.
             assert await pop_ids(writer, store, ["h5"], "t4", ["h5"], n=3, tokens=3) == ["h5"]
             assert await pop_ids(writer, store, ["h5"], "t5", ["h5"], n=3, tokens=4) == ["h6"]
+
+    arun(scenario())
+
+
+def test_step_takes_plain_and_full_deltas_and_merged_writes_get_their_own_replies(redis_url, arun):
+    """Plain deltas (output only) and full ones (stamps, finish) mixed in one
+    write and across writes the writer merges into one call: each write gets
+    one reply a delta, a delta of another assignment is dropped, and a finish
+    after plain deltas ends the request with all of its output."""
+
+    async def scenario():
+        async with store_and_writer(redis_url, "mixed:") as (store, writer):
+            r = store.redis
+            for rid in ("a", "b"):
+                await writer.call(submit(store, rid, token=f"t{rid}"))
+            assert sorted(await pop(writer, store, 5, None, "p1")) == ["a", "b"]
+            first = store.step([("a", 0, pack_tokens([5]), 0, b"h", "1.0", "2.0", 0, "", "", "", "", "",
+                                 0, b"", 3, 1),
+                                ("b", 0, pack_tokens([6]), 0, b"x", 1)])
+            second = store.step([("a", 4, pack_tokens([7]), 1, b"i", 1),
+                                 ("b", 4, pack_tokens([9]), 1, b"y", 2)])   # not b's assignment
+            third = store.step([("a", 8, pack_tokens([8]), 2, b"!", "", "", 1, "length", "", "rep",
+                                 "3.0", "0", 0, b"", "", 1)])
+            await r.config_resetstat()
+            replies = await asyncio.gather(*(writer.call(w) for w in (first, second, third)))
+            calls = (await r.info("commandstats"))["cmdstat_evalsha"]["calls"]
+            assert calls <= 2, "at least two of the three writes share a call"
+            assert replies == [[1, 1], [1, 0], [1]]
+            assert await r.get("mixed:out:a") == pack_tokens([5, 7, 8])
+            assert await r.get("mixed:txt:a") == b"hi!"
+            assert await r.hmget("mixed:req:a", "st", "ft", "fs", "ct", "fr") == [b"f", b"1.0", b"2.0",
+                                                                                  b"3", b"length"]
+            assert await r.get("mixed:out:b") == pack_tokens([6])
+            assert await r.hget("mixed:req:b", "st") == b"r"
 
     arun(scenario())
