@@ -6,6 +6,7 @@
 # and Debian's wrk and redis-server. Also writes .baseline/, the tree of BASE (default: the
 # commit before this wave's router redesign) for overhead.py --compare. Run it here, with network:
 #   bash benchmarks/router/prepare-device-cpu-carry.sh [DIR] [BASE]
+#   ONLY_SGLANG=1 bash benchmarks/router/prepare-device-cpu-carry.sh .carry-tier   # for the tier phase
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 dir=${1:-.carry-cpu}; base=${2:-7684da7}
@@ -17,6 +18,9 @@ cp "$work"/gpu/*.whl "$dir/router/"; rm -f "$dir"/router/apache_tvm_ffi-*
 cp "$work"/peers/router/{httptools,uvloop,py_spy}-*.whl "$dir/router/"
 cp "$work"/peers/debs/*.deb "$dir/debs/"
 for w in "$work"/peers/peers/*.whl; do python3 -m zipfile -e "$w" "$work/unpacked/site"; done
+# ONLY_SGLANG=1: the tier phase's carry (sglang-router only), which leaves room for the tree
+# under the 64 MiB limit (the whole peers archive does not: 58 MB with a 12 MB tree).
+if [ -n "${ONLY_SGLANG:-}" ]; then rm -rf "$work/unpacked/site"/vllm_router*; fi
 # The peers' Rust libraries ship unstripped (154 MB; 121 MB stripped): stripped, the carry
 # fits, and nothing they run changes.
 find "$work/unpacked/site" -name '*_rs.abi3.so' -exec strip --strip-unneeded {} +

@@ -16,7 +16,9 @@
 #                                                                  # answers (peers.py's: answered whole, not
 #                                                                  # streamed; #16's figure for scale), then the
 #                                                                  # router tier (run_router_tier.sh's ladder: RATES,
-#                                                                  # ROUTERS, FAILOVER_S as there), one call, one box
+#                                                                  # ROUTERS, FAILOVER_S as there), one call, one box;
+#                                                                  # CARRY from ONLY_SGLANG=1 prepare-device-cpu-carry.sh
+#                                                                  # (.carry-tier), so the tree fits beside it
 # Each phase stays under the device's 10 minutes a call; JSONs land in OUT.
 set -uo pipefail
 carry=${1:-.carry-cpu}; out=${2:-/tmp/out}; phase=${3:-overhead}
