@@ -170,8 +170,7 @@ class PullScheduler:
         id this router made, after the submit's reply for a client's)."""
         if queue != PENDING or self.paused:
             return False
-        seats = sum(self._credit[s.id].seats(self.table.owned_count(s.id)) for s in self._pullers())
-        if self._deferred - self._kicks_covered >= seats:
+        if self._deferred - self._kicks_covered >= self._free_seats():
             return False
         self._deferred += 1
         return True
@@ -217,6 +216,16 @@ class PullScheduler:
                 self._wake.set()
             finally:
                 self._settle_kicks()
+
+    def _free_seats(self) -> int:
+        """Seats this router's replicas have granted and not filled (those that
+        _pullers lists; counted on every arrival, so without its sort)."""
+        total = 0
+        for rid, session in self._sessions.items():
+            credit, owned = self._credit[rid], self.table.owned_count(rid)
+            if not session.closed and not session.draining and credit.wants_work(owned):
+                total += credit.seats(owned)
+        return total
 
     def _pullers(self) -> list:
         """Sessions with credit they can use, oldest Pull first."""
