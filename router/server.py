@@ -52,7 +52,6 @@ log = logging.getLogger(__name__)
 # stop goes on without it: a stop must end, or a rollout waits for the SIGKILL.
 STEP_DEADLINE = 3.0
 
-
 # Seconds the event loop's teardown may take after a finished stop (it cancels what
 # tasks are left and joins the default executor) before the process exits anyway.
 TEARDOWN_DEADLINE = 5.0
@@ -79,6 +78,7 @@ async def _bounded(step: str, awaitable, seconds: float | None = None) -> None:
         log.error("stopping: the %s did not stop within %g s; going on without it", step, seconds)
     except Exception:
         log.exception("stopping: the %s failed; going on", step)
+
 
 SERVICE_NAMES = (
     generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import redis
 
+from benchmarks.router.overhead import ROOT, tree_commit
 from common.redis_server import RedisServer
 from router.persistence import lua
 from router.persistence.store import pack_tokens
@@ -90,7 +91,8 @@ def main(argv=None) -> int:
                                                          *(argv if argv is not None else sys.argv[1:])]),
                method="one idle Redis; pipelined STEP calls (64 a pipeline), the forms alternating; Redis's "
                       "utime + stime (clock ticks) over each run / deltas",
-               when=time.strftime("%Y-%m-%d %H:%M:%S"), summary=summary, rows=rows)
+               commit=tree_commit(ROOT), when=time.strftime("%Y-%m-%d %H:%M:%S"), summary=summary,
+               rows=rows)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
     return 0

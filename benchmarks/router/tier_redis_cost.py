@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import redis
 
 from benchmarks.router import tier as tier_bench
+from benchmarks.router.overhead import ROOT, tree_commit
 from common.tiny_model import build_tiny_model
 
 WATCHED = ("evalsha", "xadd", "xread", "hgetall", "zscore")
@@ -54,14 +54,6 @@ def measure(args, work: Path, model: Path, routers: int, tree: str | None) -> di
                 redis_cores=round(cores["redis"], 3), commands=per_request)
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tier_bench.ROOT, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--routers", type=int, nargs="+", default=[1, 2])
@@ -89,7 +81,8 @@ def main(argv=None) -> int:
                       f"cores: routers {row['router_cores']:.2f} Redis {row['redis_cores']:.2f}", flush=True)
     out = dict(command=" ".join(shlex.quote(a) for a in [sys.executable, "-m", "benchmarks.router.tier_redis_cost",
                                                          *(argv if argv is not None else sys.argv[1:])]),
-               sides={name: tree or "this tree" for name, tree in sides}, commit=_commit(),
+               sides={name: {"tree": tree or "this tree", "commit": tree_commit(Path(tree) if tree else ROOT)}
+                      for name, tree in sides},
                settings={k: v for k, v in vars(args).items() if k not in ("out", "compare")},
                method="one tier a row (Redis, routers, simulated replicas, load generators as processes); "
                       "Redis INFO commandstats reset after a warm-up, divided by the requests of one "
