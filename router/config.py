@@ -44,6 +44,10 @@ class RouterConfig:
     submit_timeout: float = 5.0        # a new request waits this long to be stored, then UNAVAILABLE
     max_pending_submits: int = 10_000  # submits waiting for Redis before new ones get UNAVAILABLE
     stall_after: float = 0.5           # Redis slower than this: clients are served from memory
+    # When a client sees a delta of a request whose replica streams to this router:
+    # on_arrival (Redis follows; the replica keeps the delta until Redis has it) or
+    # once_durable (Redis first; one Redis round trip later, except while it stalls).
+    show_output: str = "on_arrival"
     redis_max_in_flight: int = 1       # write batches sent before the first one's replies are back
     shutdown_timeout: float = 5.0      # on SIGTERM: time to make pending writes durable
     max_requeues: int = 8              # a request moved this often between replicas fails
@@ -79,6 +83,8 @@ class RouterConfig:
             problems.append(f"http_max_body_mib must be positive, not {self.http_max_body_mib}")
         if self.policy not in POLICIES:
             problems.append(f"policy: {self.policy!r} is not one of {sorted(POLICIES)}")
+        if self.show_output not in SHOW_OUTPUT:
+            problems.append(f"show_output: {self.show_output!r} is not one of {SHOW_OUTPUT}")
         if self.queue_limit < 1:
             problems.append("queue_limit must be at least 1")
         for name in ("no_replica_timeout", "lease_ttl", "router_lease_ttl", "heartbeat_interval",
@@ -131,6 +137,7 @@ class RouterConfig:
 
 
 SECRET_FIELDS = ("replica_token", "api_keys")
+SHOW_OUTPUT = ("on_arrival", "once_durable")
 
 
 def _affinity_problems(c: RouterConfig) -> list[str]:

@@ -53,12 +53,16 @@ def _poppable(req: RequestState) -> bool:
 
 class RequestTable(CrossRouter):
     def __init__(self, store: Store, writer: RedisWriter, metrics, *, lease_ttl: float,
-                 max_requeues: int):
+                 max_requeues: int, show_on_arrival: bool = True):
         self.store = store
         self.writer = writer
         self.metrics = metrics
         self.lease_ttl = lease_ttl
         self.max_requeues = max_requeues
+        # Output of a request this router runs is shown as it arrives, not once
+        # Redis holds it: the replica keeps each delta until the router's Ack
+        # (sent once durable), so what a client saw survives a router crash.
+        self.show_on_arrival = show_on_arrival
         self.requests: dict[str, RequestState] = {}
         self._queued: dict[str, dict[str, RequestState]] = {}
         self._order: dict[str, QueueOrder] = {}   # the same requests, in queue order
@@ -313,7 +317,7 @@ class RequestTable(CrossRouter):
             before = (len(req.tokens), len(req.parts), len(req.logprobs), req.text_bytes)
             deltas.append(self._step_item(req, d, replica_id, now))
             marks.append((req, len(req.tokens), len(req.parts), req.finished, before))
-        if self.writer.stalled:
+        if self.show_on_arrival or self.writer.stalled:
             for req, n_tok, n_parts, finished, _ in marks:
                 self._show(req, n_tok, n_parts, finished)
 
@@ -419,7 +423,7 @@ class RequestTable(CrossRouter):
     def _write_finish(self, req: RequestState) -> None:
         fields = {"fr": req.finish_reason, "err": req.error, "rep": req.replica_id,
                   "fin": repr(req.finished_at), "pre": req.preemptions}
-        if self.writer.stalled:
+        if self.writer.stalled:   # not on arrival: no replica holds a finish the router made
             self._show(req, len(req.tokens), len(req.parts), True)
 
         def durable(_reply) -> None:

@@ -8,6 +8,7 @@ import time
 
 import grpc
 import pytest
+import redis
 
 from common.pb.quadriga.v1 import generation_pb2 as gpb
 from router.persistence import lua
@@ -135,9 +136,11 @@ def test_step_write_whose_reply_is_lost_drops_no_one(proxy, tiny_model, arun, lo
                 assert tokens_of(msgs) == expected_tokens([7], 5, vocab)
                 assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
                 assert msgs[-1].timings.requeues == 0
+                # Shown on arrival: the lost reply and its retry may come after the finish.
+                await wait_until(lambda: proxy.dropped == 1)
+                await app.writer.drain(5)
                 again = await collect(stub, req, timeout=20)
                 assert tokens_of(again) == expected_tokens([7], 5, vocab)
-            assert proxy.dropped == 1
             assert app.registry.get("r0") is session and rep.rec.errors == []
             assert app.metrics.requeues.labels("replica_gone")._value.get() == 0
             await reps.close()
@@ -264,3 +267,53 @@ def test_redis_stall_pauses_nothing_shown_and_turns_new_work_away(proxy, tiny_mo
             await assert_clean(app)
 
     arun(scenario())
+
+
+@pytest.mark.parametrize("show_output", ["on_arrival", "once_durable"])
+def test_output_is_shown_as_it_arrives_or_once_redis_holds_it(proxy, redis_server, tiny_model,
+                                                              arun, show_output):
+    """Step writes held (Redis slower than a step, not yet stalled): on_arrival
+    streams on from memory, ahead of what Redis holds; once_durable shows
+    nothing new until Redis has it. Either way the output is exact and lands."""
+    async def scenario():
+        cfg = make_config(proxy.url, tiny_model, redis_timeout=5.0, submit_timeout=5.0,
+                          stall_after=5.0, show_output=show_output)
+        async with running_router(cfg) as app:
+            vocab = app.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            await reps.add("r0", step_delay=0.02)
+            seen: list[int] = [0]
+
+            async def follow(stub):
+                msgs = []
+                async for m in stub.Generate(request([3], 200, request_id="a"), timeout=30):
+                    msgs.append(m)
+                    seen[0] = len(tokens_of(msgs))
+                return msgs
+
+            direct = redis.Redis(port=redis_server.port)
+            async with client(app.address) as stub:
+                task = asyncio.create_task(follow(stub))
+                await wait_until(lambda: seen[0] > 5)
+                proxy.hold(STEP)
+                await wait_until(proxy.held.is_set)
+                await asyncio.sleep(0.1)
+                at_hold = seen[0]
+                await asyncio.sleep(1.0)
+                recorded = direct.strlen(app.store.out_key("a")) // 4
+                if show_output == "on_arrival":
+                    assert seen[0] >= at_hold + 20 and seen[0] > recorded, (at_hold, seen[0], recorded)
+                else:
+                    assert seen[0] == at_hold <= recorded, (at_hold, seen[0], recorded)
+                proxy.release()
+                msgs = await task
+                assert tokens_of(msgs) == expected_tokens([3], 200, vocab)
+                assert msgs[-1].timings.requeues == 0
+                again = await collect(stub, request([3], 200, request_id="a"))
+                assert tokens_of(again) == expected_tokens([3], 200, vocab)
+            direct.close()
+            await reps.close()
+            await assert_clean(app)
+
+    arun(scenario())
+
