@@ -297,8 +297,11 @@ MOVE_ITEM_ARGS = 3
 # otherwise (requeued, adopted elsewhere, cancelled, expired) it is dropped.
 # A finish also stamps ft/fs, leaves the inflight and live sets and starts the
 # result TTL on its keys. The request's other fronts get each delta ('d'),
-# then its finish.
-# -> 1 per delta: 1 written, 0 dropped.
+# then its finish. A delta that starts past the recorded output finds
+# a hole: Redis lost writes it had acknowledged (a restart from an AOF fsynced
+# once a second, a failover to a lagging replica); it writes nothing, and the
+# router rewrites the request's output whole from its memory (table.py).
+# -> 1 per delta: 1 written, 0 dropped, 2 a hole (nothing written).
 STEP = fenced(FINISH_EVENT + """
 local prefix, ttl = ARGV[1], tonumber(ARGV[2])
 local written = {}
@@ -319,8 +322,13 @@ while i <= #ARGV do
   end
   local h = prefix .. 'req:' .. id
   local st, n, br, fe = unpack(redis.call('HMGET', h, 'st', 'n', 'br', 'fe'))
-  if st == 'r' and n == want_n and (br or '') == router_ then
-    local o, t, l = prefix .. 'out:' .. id, prefix .. 'txt:' .. id, prefix .. 'lp:' .. id
+  local o = prefix .. 'out:' .. id
+  if st ~= 'r' or n ~= want_n or (br or '') ~= router_ then
+    written[#written + 1] = 0
+  elseif tonumber(tok_at) > redis.call('STRLEN', o) then
+    written[#written + 1] = 2
+  else
+    local t, l = prefix .. 'txt:' .. id, prefix .. 'lp:' .. id
     if toks ~= '' then redis.call('SETRANGE', o, tonumber(tok_at), toks) end
     if txt ~= '' then redis.call('SETRANGE', t, tonumber(txt_at), txt) end
     if lp ~= '' then redis.call('SETRANGE', l, tonumber(lp_at), lp) end
@@ -349,14 +357,13 @@ while i <= #ARGV do
       finish_event_(h, id, fe)
     end
     written[#written + 1] = 1
-  else
-    written[#written + 1] = 0
   end
 end
 return written
 """)
 STEP_PLAIN_ARGS = 6    # a plain delta's fields, after its 'p'
 STEP_FULL_ARGS = 17    # a full delta's fields, after its 'f'
+STEP_HOLE = 2          # its reply for a delta that starts past the recorded output
 
 # Ends requests that did not finish through a step (cancel, errors, requeue
 # limit), queued or running; a finished one is left as it is. A request

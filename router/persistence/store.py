@@ -222,7 +222,7 @@ class Store:
 
     def step(self, deltas: list) -> Write:
         """deltas: one tuple each, lua.STEP's plain form (6 fields) or its full
-        form (17); reply: per delta 1 written, 0 dropped."""
+        form (17); reply: per delta 1 written, 0 dropped, 2 a hole (lua.STEP)."""
         args: list = []
         for d in deltas:
             assert len(d) in (lua.STEP_PLAIN_ARGS, lua.STEP_FULL_ARGS), len(d)

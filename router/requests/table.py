@@ -35,6 +35,7 @@ import time
 import uuid
 from typing import Callable
 
+from router.persistence.lua import STEP_HOLE
 from router.persistence.store import Popped, Store, pack_logprobs, pack_tokens
 from router.persistence.writer import RedisWriter
 from router.requests.queue_order import QueueOrder
@@ -323,18 +324,63 @@ class RequestTable(CrossRouter):
 
         def durable(reply) -> None:
             written = reply if isinstance(reply, list) else [1] * len(marks)
-            for (req, n_tok, n_parts, finished, before), ok in zip(marks, written):
-                if not int(ok):
+            holes = []
+            for mark, ok in zip(marks, written):
+                req, n_tok, n_parts, finished, before = mark
+                ok = int(ok)
+                if ok == STEP_HOLE:
+                    holes.append(mark)
+                elif not ok:
                     self.step_dropped(req, before, finished)
-                    continue
-                self._show(req, n_tok, n_parts, finished)
-                if finished:
-                    self._forget_finished(req)
-            on_durable()
+                else:
+                    self._written(req, n_tok, n_parts, finished)
+            if holes:
+                self._rewrite_output(holes, on_durable)
+            else:
+                on_durable()
 
         write = self.store.step(deltas) if deltas else self.store.barrier(None)
         write.on_done = durable
         self.writer.post(write)
+
+    def _written(self, req: RequestState, n_tok: int, n_parts: int, finished: bool) -> None:
+        self._show(req, n_tok, n_parts, finished)
+        if finished:
+            self._forget_finished(req)
+
+    def _rewrite_output(self, holes: list, on_durable: Callable[[], None]) -> None:
+        """Redis lost output it had acknowledged (lua.STEP found a hole): each
+        request's output up to the refused delta is written again whole, from
+        memory, in the full form; the replica's Ack waits for it."""
+        log.warning("Redis lost recorded output of %d request(s) (a restart or failover "
+                    "that dropped acknowledged writes): writing it again from memory", len(holes))
+        self.metrics.output_rewrites.inc(len(holes))
+
+        def durable(reply) -> None:
+            for (req, n_tok, n_parts, finished, before), ok in zip(holes, reply):
+                if int(ok) == 1:
+                    self._written(req, n_tok, n_parts, finished)
+                else:
+                    self.step_dropped(req, before, finished)
+            on_durable()
+
+        items = [self._whole_output_item(req, n_tok, n_parts, finished)
+                 for req, n_tok, n_parts, finished, _ in holes]
+        self.writer.post(self.store.step(items)).on_done = durable
+
+    @staticmethod
+    def _whole_output_item(req: RequestState, n_tok: int, n_parts: int, finished: bool) -> tuple:
+        """lua.STEP's full form of a request's output up to n_tok tokens and
+        n_parts text parts, from offset 0, with its finish when finished."""
+        k = req.logprobs_k
+        lp = pack_logprobs(req.logprobs[:n_tok], k) if k is not None and n_tok else b""
+        text = "".join(req.parts[:n_parts]).encode()
+        ft = repr(req.first_token_at) if req.first_token_at else ""
+        fs = repr(req.first_scheduled_at) if req.first_scheduled_at else ""
+        end = ((1, req.finish_reason, req.error, req.replica_id, repr(req.finished_at),
+                req.preemptions) if finished else (0, "", "", "", "", ""))
+        return (req.id, 0, pack_tokens(req.tokens[:n_tok]), 0, text, ft, fs, *end, 0, lp,
+                req.cached_tokens or "", req.assignments)
 
     def _step_item(self, req: RequestState, d, replica_id: str, now: float) -> tuple:
         """One delta into memory; returns its lua.STEP fields, in the plain form

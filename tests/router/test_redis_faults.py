@@ -317,3 +317,36 @@ def test_output_is_shown_as_it_arrives_or_once_redis_holds_it(proxy, redis_serve
 
     arun(scenario())
 
+
+def test_output_redis_lost_after_acknowledging_it_is_written_again(proxy, redis_server,
+                                                                   tiny_model, arun):
+    """Redis drops output it had acknowledged (as a restart from an AOF fsynced
+    once a second may): the next step finds the hole and the router writes the
+    request's output again from memory, so the record holds the exact output,
+    not zeros where the lost tokens were."""
+    async def scenario():
+        async with running_router(make_config(proxy.url, tiny_model)) as app:
+            vocab = app.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            await reps.add("r0", step_delay=0.02)
+            direct = redis.Redis(port=redis_server.port)
+            out_key, txt_key = app.store.out_key("h"), app.store.txt_key("h")
+            async with client(app.address) as stub:
+                task = asyncio.create_task(collect(stub, request([4], 120, request_id="h")))
+                await wait_until(lambda: direct.strlen(out_key) >= 4 * 30)
+                direct.set(out_key, direct.getrange(out_key, 0, 4 * 5 - 1))
+                direct.delete(txt_key)
+                msgs = await task
+                assert tokens_of(msgs) == expected_tokens([4], 120, vocab)
+                await app.writer.drain(5)
+                [rec] = await app.store.load_requests(["h"])
+                assert rec["tokens"] == expected_tokens([4], 120, vocab)
+                assert rec["st"] == b"f"
+                assert app.metrics.output_rewrites._value.get() >= 1
+                again = await collect(stub, request([4], 120, request_id="h"))
+                assert tokens_of(again) == expected_tokens([4], 120, vocab)
+            direct.close()
+            await reps.close()
+            await assert_clean(app)
+
+    arun(scenario())
