@@ -44,10 +44,9 @@ class RouterConfig:
     submit_timeout: float = 5.0        # a new request waits this long to be stored, then UNAVAILABLE
     max_pending_submits: int = 10_000  # submits waiting for Redis before new ones get UNAVAILABLE
     stall_after: float = 0.5           # Redis slower than this: clients are served from memory
-    # When a client sees a delta of a request whose replica streams to this router:
-    # on_arrival (Redis follows; the replica keeps the delta until Redis has it) or
-    # once_durable (Redis first; one Redis round trip later, except while it stalls).
-    show_output: str = "on_arrival"
+    # When a client sees a delta of a request whose replica streams to this router
+    # (SHOW_OUTPUT below; docs/router.md, Request states).
+    show_output: str = "first_and_finish"
     redis_max_in_flight: int = 1       # write batches sent before the first one's replies are back
     shutdown_timeout: float = 5.0      # on SIGTERM: time to make pending writes durable
     max_requeues: int = 8              # a request moved this often between replicas fails
@@ -137,7 +136,10 @@ class RouterConfig:
 
 
 SECRET_FIELDS = ("replica_token", "api_keys")
-SHOW_OUTPUT = ("on_arrival", "once_durable")
+# first_and_finish: a request's first token and its finish as they arrive, the
+# deltas between once Redis holds them; on_arrival: every delta as it arrives;
+# once_durable: every delta once Redis holds it (while Redis stalls, as it arrives).
+SHOW_OUTPUT = ("first_and_finish", "on_arrival", "once_durable")
 
 
 def _affinity_problems(c: RouterConfig) -> list[str]:

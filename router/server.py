@@ -106,7 +106,7 @@ class RouterApp:
                                   reply_timeout=config.submit_timeout, on_stall=self._on_stall)
         self.table = RequestTable(self.store, self.writer, self.metrics, lease_ttl=config.lease_ttl,
                                   max_requeues=config.max_requeues,
-                                  show_on_arrival=config.show_output == "on_arrival")
+                                  show_output=config.show_output)
         self.metrics.watch_table(self.table)
         self.registry = Registry()
         self.prefix_index = PrefixIndex(config.prefix_index_max_entries)

@@ -7,11 +7,12 @@ output; everything here is data plus the read side of the fan-out.
 Output has three marks, each a prefix of the next:
   visible <= durable-or-shown <= received
 `tokens`/`parts` hold everything received from replicas. A subscriber is
-given output up to `visible_tokens`/`visible_parts`: what arrived (the
-default, show_output on_arrival) or what Redis holds (once_durable; while
-Redis stalls, what arrived). The replica keeps every delta the router has not
-acknowledged, so what was shown is never lost with the router. A finish is
-shown likewise; one the router made itself, once durable or while stalled.
+given output up to `visible_tokens`/`visible_parts`: what Redis holds, or
+more of what arrived (config.SHOW_OUTPUT: by default a first token and a
+finish at once; while Redis stalls, everything). The replica keeps every
+delta the router has not acknowledged, so what was shown is never lost with
+the router. A finish the router made itself is shown once durable or while
+stalled.
 Output of a REMOTE request arrives from Redis (events.py), so it is durable
 and shown at once.
 """

@@ -54,16 +54,16 @@ def _poppable(req: RequestState) -> bool:
 
 class RequestTable(CrossRouter):
     def __init__(self, store: Store, writer: RedisWriter, metrics, *, lease_ttl: float,
-                 max_requeues: int, show_on_arrival: bool = True):
+                 max_requeues: int, show_output: str = "first_and_finish"):
         self.store = store
         self.writer = writer
         self.metrics = metrics
         self.lease_ttl = lease_ttl
         self.max_requeues = max_requeues
-        # Output of a request this router runs is shown as it arrives, not once
-        # Redis holds it: the replica keeps each delta until the router's Ack
-        # (sent once durable), so what a client saw survives a router crash.
-        self.show_on_arrival = show_on_arrival
+        # Which deltas of a request this router runs are shown before Redis holds
+        # them (config.SHOW_OUTPUT). Safe: the replica keeps each delta until the
+        # router's Ack (sent once durable), so what a client saw survives a router crash.
+        self.show_output = show_output
         self.requests: dict[str, RequestState] = {}
         self._queued: dict[str, dict[str, RequestState]] = {}
         self._order: dict[str, QueueOrder] = {}   # the same requests, in queue order
@@ -318,9 +318,16 @@ class RequestTable(CrossRouter):
             before = (len(req.tokens), len(req.parts), len(req.logprobs), req.text_bytes)
             deltas.append(self._step_item(req, d, replica_id, now))
             marks.append((req, len(req.tokens), len(req.parts), req.finished, before))
-        if self.show_on_arrival or self.writer.stalled:
-            for req, n_tok, n_parts, finished, _ in marks:
-                self._show(req, n_tok, n_parts, finished)
+        mode, stalled = self.show_output, self.writer.stalled
+        if mode != "once_durable" or stalled:
+            # first_and_finish: what would wait a Redis round trip on top of TTFT or
+            # end-to-end latency is shown at once; deltas in between wait, which
+            # batches them into fewer client messages when steps come faster
+            # than Redis answers (fewer than on_arrival sends).
+            every = stalled or mode == "on_arrival"
+            for req, n_tok, n_parts, finished, before in marks:
+                if every or finished or (n_tok and not before[0]):
+                    self._show(req, n_tok, n_parts, finished)
 
         def durable(reply) -> None:
             written = reply if isinstance(reply, list) else [1] * len(marks)

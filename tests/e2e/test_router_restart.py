@@ -70,8 +70,10 @@ def test_router_killed_and_restarted_loses_nothing(live_stack, hf_reference, lea
 
 def test_output_a_client_saw_before_redis_had_it_survives_a_router_kill(
         tmp_path, redis_server, e2e_model, started_stacks, hf_reference):
-    """Output is shown as it arrives (--show-output on_arrival, the default):
-    with the router's step writes held, clients get tokens Redis does not hold.
+    """Output shown before Redis holds it (--show-output on_arrival, which shows
+    the most so: every delta; the default shows a request's first token and its
+    finish so): with the router's step writes held, clients get tokens Redis
+    does not hold.
     The router is then SIGKILLed; the replicas re-register with the restarted
     router and resend what it never acknowledged, so every client re-attaches
     to the exact output, and nothing was recomputed."""
@@ -80,7 +82,7 @@ def test_output_a_client_saw_before_redis_had_it_survives_a_router_kill(
     # Long deadlines: the held writes neither reconnect nor count as a stall.
     stack = started_stacks(LiveStack(tmp_path, proxy.url, e2e_model, "pull", (
         "--lease-ttl", "30", "--redis-timeout", "20", "--submit-timeout", "20",
-        "--stall-after", "20")))
+        "--stall-after", "20", "--show-output", "on_arrival")))
     for rid in ("r0", "r1"):
         stack.start_replica(rid, "--max-num-seqs", "4", wait=False)
     stack.wait_registered("r0", "r1")

@@ -269,12 +269,12 @@ def test_redis_stall_pauses_nothing_shown_and_turns_new_work_away(proxy, tiny_mo
     arun(scenario())
 
 
-@pytest.mark.parametrize("show_output", ["on_arrival", "once_durable"])
-def test_output_is_shown_as_it_arrives_or_once_redis_holds_it(proxy, redis_server, tiny_model,
-                                                              arun, show_output):
-    """Step writes held (Redis slower than a step, not yet stalled): on_arrival
-    streams on from memory, ahead of what Redis holds; once_durable shows
-    nothing new until Redis has it. Either way the output is exact and lands."""
+@pytest.mark.parametrize("show_output", ["first_and_finish", "on_arrival", "once_durable"])
+def test_mid_stream_output_waits_for_redis_unless_shown_on_arrival(proxy, redis_server, tiny_model,
+                                                                   arun, show_output):
+    """Step writes held mid-stream (Redis slower than a step, not yet stalled):
+    on_arrival streams on from memory, ahead of what Redis holds; the other two
+    show nothing new until Redis has it. Either way the output is exact and lands."""
     async def scenario():
         cfg = make_config(proxy.url, tiny_model, redis_timeout=5.0, submit_timeout=5.0,
                           stall_after=5.0, show_output=show_output)
@@ -311,6 +311,55 @@ def test_output_is_shown_as_it_arrives_or_once_redis_holds_it(proxy, redis_serve
                 assert msgs[-1].timings.requeues == 0
                 again = await collect(stub, request([3], 200, request_id="a"))
                 assert tokens_of(again) == expected_tokens([3], 200, vocab)
+            direct.close()
+            await reps.close()
+            await assert_clean(app)
+
+    arun(scenario())
+
+
+@pytest.mark.parametrize("show_output", ["first_and_finish", "once_durable"])
+def test_first_token_and_finish_are_shown_before_redis_holds_them(proxy, redis_server, tiny_model,
+                                                                 arun, show_output):
+    """Every step write held from the first token on: first_and_finish (the
+    default) shows the first token, then the rest with the finish, while Redis
+    holds none of it; once_durable shows nothing until Redis has it."""
+    async def scenario():
+        cfg = make_config(proxy.url, tiny_model, redis_timeout=5.0, submit_timeout=5.0,
+                          stall_after=5.0, show_output=show_output)
+        async with running_router(cfg) as app:
+            vocab = app.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            await reps.add("r0", step_delay=0.3)
+            arrivals: list[tuple[float, int, bool]] = []
+
+            async def follow(stub):
+                msgs = []
+                async for m in stub.Generate(request([5], 4, request_id="e"), timeout=30):
+                    msgs.append(m)
+                    arrivals.append((time.monotonic(), len(tokens_of(msgs)), m.HasField("timings")))
+                return msgs
+
+            direct = redis.Redis(port=redis_server.port)
+            proxy.hold(STEP)
+            async with client(app.address) as stub:
+                task = asyncio.create_task(follow(stub))
+                await wait_until(proxy.held.is_set)
+                held_at = time.monotonic()
+                if show_output == "first_and_finish":
+                    await wait_until(lambda: arrivals and arrivals[-1][2])
+                    first, last = arrivals[0], arrivals[-1]
+                    assert first[1] == 1 and first[0] - held_at < 0.25, arrivals  # before step 2
+                    assert last[1] == 4 and direct.strlen(app.store.out_key("e")) == 0, arrivals
+                else:
+                    await asyncio.sleep(1.5)   # past every step
+                    assert arrivals == []
+                proxy.release()
+                msgs = await task
+                assert tokens_of(msgs) == expected_tokens([5], 4, vocab)
+            await app.writer.drain(5)
+            [rec] = await app.store.load_requests(["e"])
+            assert rec["tokens"] == expected_tokens([5], 4, vocab) and rec["st"] == b"f"
             direct.close()
             await reps.close()
             await assert_clean(app)
