@@ -269,6 +269,13 @@ def test_redis_stall_pauses_nothing_shown_and_turns_new_work_away(proxy, tiny_mo
     arun(scenario())
 
 
+def held_writes_config(proxy, model, show_output: str):
+    """Deadlines long enough that writes the proxy holds for a second or two are
+    neither retried nor a stall: only show_output decides what clients see."""
+    return make_config(proxy.url, model, redis_timeout=5.0, submit_timeout=5.0, stall_after=5.0,
+                       show_output=show_output)
+
+
 @pytest.mark.parametrize("show_output", ["first_and_finish", "on_arrival", "once_durable"])
 def test_mid_stream_output_waits_for_redis_unless_shown_on_arrival(proxy, redis_server, tiny_model,
                                                                    arun, show_output):
@@ -276,9 +283,7 @@ def test_mid_stream_output_waits_for_redis_unless_shown_on_arrival(proxy, redis_
     on_arrival streams on from memory, ahead of what Redis holds; the other two
     show nothing new until Redis has it. Either way the output is exact and lands."""
     async def scenario():
-        cfg = make_config(proxy.url, tiny_model, redis_timeout=5.0, submit_timeout=5.0,
-                          stall_after=5.0, show_output=show_output)
-        async with running_router(cfg) as app:
+        async with running_router(held_writes_config(proxy, tiny_model, show_output)) as app:
             vocab = app.limits.vocab_size
             reps = Replicas(app.address, vocab)
             await reps.add("r0", step_delay=0.02)
@@ -325,9 +330,7 @@ def test_first_token_and_finish_are_shown_before_redis_holds_them(proxy, redis_s
     default) shows the first token, then the rest with the finish, while Redis
     holds none of it; once_durable shows nothing until Redis has it."""
     async def scenario():
-        cfg = make_config(proxy.url, tiny_model, redis_timeout=5.0, submit_timeout=5.0,
-                          stall_after=5.0, show_output=show_output)
-        async with running_router(cfg) as app:
+        async with running_router(held_writes_config(proxy, tiny_model, show_output)) as app:
             vocab = app.limits.vocab_size
             reps = Replicas(app.address, vocab)
             await reps.add("r0", step_delay=0.3)
