@@ -106,6 +106,27 @@ class EventReader:
         self._reloads.add(task)
         task.add_done_callback(self._reloads.discard)
 
+    def check_after_outage(self) -> None:
+        """The writes' connection to Redis was made again. Had Redis restarted
+        having lost writes it acknowledged, queued requests it stored may be gone
+        (a pop would never find them): those are stored again (table.resubmit_lost)."""
+        task = asyncio.get_running_loop().create_task(self._check_after_outage())
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
+
+    async def _check_after_outage(self) -> None:
+        ids = self.table.stored_queued_ids()
+        for attempt in range(20):
+            try:
+                missing = await self.store.missing(ids)
+            except Exception as exc:
+                log.warning("checking queued requests after a Redis outage failed (%s); "
+                            "retrying", exc)
+                await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
+                continue
+            self.table.resubmit_lost(missing)
+            return
+
     async def _reload(self, rid: str) -> None:
         for attempt in range(20):
             try:

@@ -50,10 +50,11 @@ class Metrics:
                                          "Redis round trips", registry=r)
         self.redis_pending = Gauge("quadriga_redis_pending_writes",
                                    "Writes queued for Redis, not yet durable", registry=r)
-        self.output_rewrites = Counter(
-            "quadriga_redis_output_rewrites_total",
-            "Requests whose recorded output Redis had lost (acknowledged writes dropped by a "
-            "restart or failover) and the router wrote again from memory", registry=r)
+        self.lost_writes = Counter(
+            "quadriga_redis_lost_writes_total",
+            "Requests of which Redis lost writes it had acknowledged (a restart or failover): "
+            "output and submits written again from memory, records gone (the request failed)",
+            ["kind"], registry=r)
         self.redis_stalled = Gauge("quadriga_redis_stalled",
                                    "1 while Redis is slower than the stall threshold", registry=r)
         self.prefix_hit = Histogram("quadriga_prefix_hit_tokens",

@@ -164,6 +164,7 @@ class RouterApp:
         self.events = EventReader(self.store, self.table, self.scheduler, self.lease.router_id,
                                   self.config.redis_timeout)
         self.table.on_reload = self.events.reload
+        self.store.lean.on_reconnect = self.events.check_after_outage
         self.events.start()
         self.scheduler.start()
         keys = self.config.api_key_set

@@ -20,6 +20,7 @@ import asyncio
 import collections
 import hashlib
 import ssl
+from typing import Callable
 
 import hiredis
 
@@ -121,6 +122,9 @@ class LeanRedis:
         self._proto: _Protocol | None = None
         self._connecting: asyncio.Future | None = None
         self._scripts: list[Script] = []
+        self.connections = 0
+        # Called after every connection but the first: Redis may have restarted.
+        self.on_reconnect: Callable[[], None] = lambda: None
 
     def script(self, text: str) -> Script:
         """A script loaded on every connection before any call is sent on it."""
@@ -162,10 +166,15 @@ class LeanRedis:
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._connect())
         try:
-            self._proto = await asyncio.shield(self._connecting)
+            fresh = await asyncio.shield(self._connecting)
         finally:
             if self._connecting is not None and self._connecting.done():
                 self._connecting = None
+        if fresh is not self._proto:
+            self._proto = fresh
+            self.connections += 1
+            if self.connections > 1:
+                self.on_reconnect()
         return self._proto
 
     def _send(self, proto: _Protocol, commands) -> asyncio.Future:

@@ -320,6 +320,17 @@ class Store:
                            if h else None)
         return out
 
+    async def missing(self, ids: list[str]) -> list[str]:
+        """The requests among ids that Redis holds no record of."""
+        out: list[str] = []
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            pipe = self.redis.pipeline(transaction=False)
+            for rid in chunk:
+                pipe.exists(self.req_key(rid))
+            out += [rid for rid, n in zip(chunk, await pipe.execute()) if not n]
+        return out
+
     async def live_ids(self) -> list[str]:
         return sorted(m.decode() for m in await self.redis.smembers(self.live_key))
 

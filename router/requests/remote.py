@@ -116,9 +116,16 @@ class CrossRouter:
         self._show(req, len(req.tokens), len(req.parts), req.finished)
 
     def refresh(self, rid: str, rec: dict | None) -> None:
-        """A reload after a gap: Redis's output, if longer, and its finish."""
+        """A reload after a gap: Redis's output, if longer, and its finish. No
+        record at all: Redis lost it (writes it had acknowledged, dropped by a
+        restart or failover) and no router can finish it; its client is told."""
         req = self.requests.get(rid)
-        if req is None or req.finished or req.owner is not None or rec is None:
+        if req is None or req.finished or req.owner is not None:
+            return
+        if rec is None:
+            self.metrics.lost_writes.labels("record").inc()
+            self.fail(req, "Redis lost this request's record (it dropped writes it had "
+                           "acknowledged); send it again")
             return
         if len(rec["tokens"]) > len(req.tokens):
             take_output(req, rec)

@@ -203,6 +203,27 @@ class RequestTable(CrossRouter):
             self.on_queued()
         return req, future
 
+    def stored_queued_ids(self) -> list[str]:
+        """Requests queued here whose submit Redis acknowledged."""
+        return [r.id for r in self.requests.values() if r.phase is Phase.QUEUED and r.confirmed]
+
+    def resubmit_lost(self, ids: list[str]) -> None:
+        """Redis lost these queued requests' submits (acknowledged writes dropped
+        by a restart or failover): each is stored again as it was, with its own
+        token and arrival, so its place in the queue and a retry's re-attach hold."""
+        lost = [self.requests[i] for i in ids if i in self.requests
+                and self.requests[i].phase is Phase.QUEUED]
+        if not lost:
+            return
+        log.warning("Redis lost %d queued request(s) it had stored: storing them again", len(lost))
+        self.metrics.lost_writes.labels("submit").inc(len(lost))
+        for req in lost:
+            spec = req.spec
+            self.writer.post(self.store.submit(
+                req.id, req.submit_token, req.digest, spec.sampling.set_fields_json, req.prompt_ids,
+                req.max_tokens, spec.priority, req.arrival, spec.stream_interval, req.queue))
+        self.on_queued()
+
     def confirm(self, req: RequestState) -> None:
         """Its submit is durable: it may be popped, if it was not already."""
         assert not req.confirmed, req.id
@@ -361,7 +382,7 @@ class RequestTable(CrossRouter):
         memory, in the full form; the replica's Ack waits for it."""
         log.warning("Redis lost recorded output of %d request(s) (a restart or failover "
                     "that dropped acknowledged writes): writing it again from memory", len(holes))
-        self.metrics.output_rewrites.inc(len(holes))
+        self.metrics.lost_writes.labels("output").inc(len(holes))
 
         def durable(reply) -> None:
             for (req, n_tok, n_parts, finished, before), ok in zip(holes, reply):

@@ -24,6 +24,14 @@ SUBMIT, POP, STEP, REQUEUE = (Script(s).sha.encode() for s in (lua.SUBMIT, lua.P
 
 
 @pytest.fixture
+def direct(redis_server):
+    """A client of the Redis behind the proxy, around the router's faults."""
+    client = redis.Redis(port=redis_server.port)
+    yield client
+    client.close()
+
+
+@pytest.fixture
 def proxy(redis_server):
     redis_server.flushall()
     p = FaultProxy(redis_server.port).start()
@@ -277,7 +285,7 @@ def held_writes_config(proxy, model, show_output: str):
 
 
 @pytest.mark.parametrize("show_output", ["first_and_finish", "on_arrival", "once_durable"])
-def test_mid_stream_output_waits_for_redis_unless_shown_on_arrival(proxy, redis_server, tiny_model,
+def test_mid_stream_output_waits_for_redis_unless_shown_on_arrival(proxy, direct, tiny_model,
                                                                    arun, show_output):
     """Step writes held mid-stream (Redis slower than a step, not yet stalled):
     on_arrival streams on from memory, ahead of what Redis holds; the other two
@@ -296,7 +304,6 @@ def test_mid_stream_output_waits_for_redis_unless_shown_on_arrival(proxy, redis_
                     seen[0] = len(tokens_of(msgs))
                 return msgs
 
-            direct = redis.Redis(port=redis_server.port)
             async with client(app.address) as stub:
                 task = asyncio.create_task(follow(stub))
                 await wait_until(lambda: seen[0] > 5)
@@ -316,7 +323,6 @@ def test_mid_stream_output_waits_for_redis_unless_shown_on_arrival(proxy, redis_
                 assert msgs[-1].timings.requeues == 0
                 again = await collect(stub, request([3], 200, request_id="a"))
                 assert tokens_of(again) == expected_tokens([3], 200, vocab)
-            direct.close()
             await reps.close()
             await assert_clean(app)
 
@@ -324,7 +330,7 @@ def test_mid_stream_output_waits_for_redis_unless_shown_on_arrival(proxy, redis_
 
 
 @pytest.mark.parametrize("show_output", ["first_and_finish", "once_durable"])
-def test_first_token_and_finish_are_shown_before_redis_holds_them(proxy, redis_server, tiny_model,
+def test_first_token_and_finish_are_shown_before_redis_holds_them(proxy, direct, tiny_model,
                                                                  arun, show_output):
     """Every step write held from the first token on: first_and_finish (the
     default) shows the first token, then the rest with the finish, while Redis
@@ -343,7 +349,6 @@ def test_first_token_and_finish_are_shown_before_redis_holds_them(proxy, redis_s
                     arrivals.append((time.monotonic(), len(tokens_of(msgs)), m.HasField("timings")))
                 return msgs
 
-            direct = redis.Redis(port=redis_server.port)
             proxy.hold(STEP)
             async with client(app.address) as stub:
                 task = asyncio.create_task(follow(stub))
@@ -363,14 +368,13 @@ def test_first_token_and_finish_are_shown_before_redis_holds_them(proxy, redis_s
             await app.writer.drain(5)
             [rec] = await app.store.load_requests(["e"])
             assert rec["tokens"] == expected_tokens([5], 4, vocab) and rec["st"] == b"f"
-            direct.close()
             await reps.close()
             await assert_clean(app)
 
     arun(scenario())
 
 
-def test_output_redis_lost_after_acknowledging_it_is_written_again(proxy, redis_server,
+def test_output_redis_lost_after_acknowledging_it_is_written_again(proxy, direct,
                                                                    tiny_model, arun):
     """Redis drops output it had acknowledged (as a restart from an AOF fsynced
     once a second may): the next step finds the hole and the router writes the
@@ -381,7 +385,6 @@ def test_output_redis_lost_after_acknowledging_it_is_written_again(proxy, redis_
             vocab = app.limits.vocab_size
             reps = Replicas(app.address, vocab)
             await reps.add("r0", step_delay=0.02)
-            direct = redis.Redis(port=redis_server.port)
             out_key, txt_key = app.store.out_key("h"), app.store.txt_key("h")
             async with client(app.address) as stub:
                 task = asyncio.create_task(collect(stub, request([4], 120, request_id="h")))
@@ -394,11 +397,73 @@ def test_output_redis_lost_after_acknowledging_it_is_written_again(proxy, redis_
                 [rec] = await app.store.load_requests(["h"])
                 assert rec["tokens"] == expected_tokens([4], 120, vocab)
                 assert rec["st"] == b"f"
-                assert app.metrics.output_rewrites._value.get() >= 1
+                assert app.metrics.lost_writes.labels("output")._value.get() >= 1
                 again = await collect(stub, request([4], 120, request_id="h"))
                 assert tokens_of(again) == expected_tokens([4], 120, vocab)
-            direct.close()
             await reps.close()
             await assert_clean(app)
+
+    arun(scenario())
+
+
+def test_queued_requests_redis_lost_are_stored_again_once_it_answers(proxy, direct,
+                                                                     tiny_model, arun):
+    """Redis comes back without queued requests it had stored (acknowledged
+    writes lost): once the router's writes reconnect it stores them again, with
+    their arrival, and they run exactly."""
+    async def scenario():
+        async with running_router(make_config(proxy.url, tiny_model)) as app:
+            vocab = app.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            await reps.add("r0", step_delay=0.4, capacity=1)
+            prompts = {"blocker": [1], **{f"q{i}": [i + 2] for i in range(3)}}
+            async with client(app.address) as stub:
+                tasks = {}
+                for rid, p in prompts.items():   # the blocker takes the one seat
+                    tasks[rid] = asyncio.create_task(collect(stub, request(p, 3, request_id=rid),
+                                                             timeout=30))
+                    await wait_until(lambda: rid in app.table.requests)
+                queued = [rid for rid in prompts if rid != "blocker"]
+                await wait_until(lambda: all(app.table.requests[rid].confirmed for rid in queued))
+                assert all(app.table.requests[rid].phase.value == "queued" for rid in queued)
+                direct.delete(*(app.store.req_key(rid) for rid in queued))
+                for key in direct.scan_iter(match=app.store.queue_key("*")):
+                    direct.delete(key)
+                proxy.reset()   # Redis "restarted": the next write reconnects
+                await wait_until(lambda: app.metrics.lost_writes.labels("submit")._value.get() == 3)
+                for rid, p in prompts.items():
+                    msgs = await tasks[rid]
+                    assert tokens_of(msgs) == expected_tokens(p, 3, vocab), rid
+            await reps.close()
+            await assert_clean(app)
+
+    arun(scenario())
+
+
+def test_a_running_request_whose_record_redis_lost_fails_with_a_message(proxy, direct,
+                                                                        tiny_model, arun):
+    """Redis lost a running request's whole record: no router can finish it in
+    Redis, so its client is told (FINISH_REASON_ERROR with a message) instead
+    of waiting forever, and others run on."""
+    async def scenario():
+        async with running_router(make_config(proxy.url, tiny_model)) as app:
+            vocab = app.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            await reps.add("r0", step_delay=0.02)
+            async with client(app.address) as stub:
+                gone = asyncio.create_task(collect(stub, request([3], 200, request_id="gone"),
+                                                   timeout=30))
+                other = asyncio.create_task(collect(stub, request([4], 50, request_id="kept"),
+                                                    timeout=30))
+                await wait_until(lambda: direct.strlen(app.store.out_key("gone")) >= 4 * 5)
+                direct.delete(app.store.req_key("gone"), app.store.out_key("gone"),
+                              app.store.txt_key("gone"))
+                msgs = await gone
+                assert msgs[-1].finish_reason == gpb.FINISH_REASON_ERROR
+                assert "Redis lost" in msgs[-1].error
+                kept = await other
+                assert tokens_of(kept) == expected_tokens([4], 50, vocab)
+            assert app.metrics.lost_writes.labels("record")._value.get() == 1
+            await reps.close()
 
     arun(scenario())
