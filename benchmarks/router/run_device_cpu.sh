@@ -25,7 +25,8 @@ carry=${1:-.carry-cpu}; out=${2:-/tmp/out}; phase=${3:-overhead}
 mkdir -p "$out"
 source benchmarks/router/peers-env.sh "$carry"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
-note="H200 host, $(nproc) cores, nothing else running; router, scripted replicas, Redis and the load generator share them"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+note="${gpu:-device} host, $(nproc) cores, nothing else running; router, scripted replicas, Redis and the load generator share them"
 echo "load before: $(cat /proc/loadavg)"
 compare=()
 [ "${BASELINE:-1}" = 0 ] || compare=(--compare .baseline)
