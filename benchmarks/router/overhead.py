@@ -335,7 +335,9 @@ def run_paired(args, argv: list[str], work: Path, names: list[str]) -> list[dict
 
 def tree_commit(tree: Path) -> str:
     """A tree's commit: its COMMIT file (a copy made by git archive has one, written by
-    prepare-device-cpu-carry.sh), else git's answer if the tree is a checkout's root."""
+    prepare-device-cpu-carry.sh; run_device_cpu.sh asks for one in the tree itself,
+    since the device copy's git names the commit its session started from), else
+    git's answer if the tree is a checkout's root."""
     if (tree / "COMMIT").exists():
         return (tree / "COMMIT").read_text().strip()
     top = subprocess.run(["git", "-C", str(tree), "rev-parse", "--show-toplevel"],

@@ -52,8 +52,12 @@ def _command_output(cmd) -> str | None:
 def environment(args, wrk_version: str, peer_env, load_before, load_after) -> dict:
     from common.redis_server import redis_server_binary
 
-    commit = _command_output(["git", "rev-parse", "HEAD"])
-    dirty = _command_output(["git", "status", "--porcelain", "--untracked-files=no"])
+    named = ROOT / "COMMIT"   # written before a device call: the device copy's git is stale
+    if named.exists():
+        commit, dirty = named.read_text().strip(), None
+    else:
+        commit = _command_output(["git", "rev-parse", "HEAD"])
+        dirty = _command_output(["git", "status", "--porcelain", "--untracked-files=no"])
     return {
         "machine": {
             "cpus": os.cpu_count(), "cpu_model": _read("/proc/cpuinfo", "model name"),

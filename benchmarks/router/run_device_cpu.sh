@@ -20,10 +20,14 @@
 #                                                                  # CARRY from ONLY_SGLANG=1 prepare-device-cpu-carry.sh
 #                                                                  # (.carry-tier), so the tree fits beside it
 # Each phase stays under the device's 10 minutes a call; JSONs land in OUT.
+# Write the tree's commit first (git rev-parse HEAD > COMMIT; ignored, so name it
+# in the call's carry): the device copy's git names the commit its session
+# started from, and the JSONs would record that one.
 set -uo pipefail
 carry=${1:-.carry-cpu}; out=${2:-/tmp/out}; phase=${3:-overhead}
 mkdir -p "$out"
 source benchmarks/router/peers-env.sh "$carry"
+[ -f COMMIT ] || echo "no COMMIT file: the JSONs will name whatever commit this copy's git answers"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 note="${gpu:-device} host, $(nproc) cores, nothing else running; router, scripted replicas, Redis and the load generator share them"
