@@ -286,8 +286,8 @@ MOVE_ITEM_ARGS = 3
 # argument:
 #   'p', id, token byte offset, packed tokens, text byte offset, text,
 #        expected assignment count: a plain delta (output only), the form of
-#        almost every step; idle, Redis spends about a sixth less CPU on it
-#        than on the same delta in the full form at 8 deltas a call
+#        almost every step; idle, Redis spends 10-19% less CPU on it than
+#        on the same delta in the full form at 8 deltas a call
 #        (benchmarks/router/step_forms_cost.py)
 #   'f', id, token byte offset, packed tokens, text byte offset, text, ft, fs,
 #        finished (1/0), fr, err, rep, fin, pre, logprob byte offset,
