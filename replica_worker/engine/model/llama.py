@@ -66,10 +66,11 @@ def fused_kernels(device: torch.device, dtype: torch.dtype):
 def store_kv_in_rope(fused) -> bool:
     """Whether the rotary kernel also stores k and v into the KV cache (one kernel
     instead of three a layer; backends that expose kv_store_rows). Only Quadriga's
-    Triton module has that kernel. QUADRIGA_FUSED_KV_STORE=1 turns it on; off by
-    default until it is measured on the H200 (benchmarks/gpu/run_decode_kernels.sh)."""
+    Triton module has that kernel. On by default (two H100 runs of
+    benchmarks/gpu/run_decode_kernels.sh: never slower beyond the noise);
+    QUADRIGA_FUSED_KV_STORE=0 turns it off."""
     return (fused is not None and hasattr(fused, "rope_and_store_kv")
-            and os.environ.get("QUADRIGA_FUSED_KV_STORE", "0").strip() == "1")
+            and os.environ.get("QUADRIGA_FUSED_KV_STORE", "1").strip() == "1")
 
 
 @dataclass(frozen=True)
