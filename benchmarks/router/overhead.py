@@ -55,6 +55,7 @@ DEFINITIONS = {
     "redis_cpu_ms_per_request": "the Redis server's user+sys CPU during the rate / completed "
                                 "(its scripts run on every round trip's critical path)",
     "redis_script_calls_per_request": "EVALSHA calls / completed (each runs the fence once)",
+    "redis_command_mix_per_request": "redis_commands_per_request by command name (INFO commandstats)",
 }
 
 
@@ -66,12 +67,15 @@ def pct(values, q):
 
 
 
-def redis_calls(r) -> tuple[int, int]:
-    """Commands Redis ran (a script's own commands included) and script calls."""
+def redis_calls(r) -> tuple[int, int, dict]:
+    """Commands Redis ran (a script's own commands included), script calls, and
+    the calls of each command by name."""
     stats = r.info("commandstats")
-    total = sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info",))
-    scripts = sum(v["calls"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
-    return total, scripts
+    by_name = {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()
+               if k != "cmdstat_info"}
+    total = sum(by_name.values())
+    scripts = by_name.get("evalsha", 0) + by_name.get("eval", 0)
+    return total, scripts, by_name
 
 
 def redis_cpu_seconds(r) -> float:
@@ -251,7 +255,11 @@ def measure(args, router, address: str, mport: int, r, vocab: int, rate: float,
                redis_cpu_ms_per_request=redis_cpu / n * 1e3,
                redis_commands_per_request=(calls_after[0] - calls_before[0]) / n,
                redis_script_calls_per_request=(calls_after[1] - calls_before[1]) / n,
-               redis_round_trips_per_request=delta("quadriga_redis_round_trips_total") / n)
+               redis_round_trips_per_request=delta("quadriga_redis_round_trips_total") / n,
+               redis_command_mix_per_request={
+                   name: round((calls - calls_before[2].get(name, 0)) / n, 2)
+                   for name, calls in sorted(calls_after[2].items())
+                   if calls > calls_before[2].get(name, 0)})
     return row
 
 
