@@ -48,8 +48,6 @@ from router.persistence.resp import LeanRedis, ReplyError, Script
 
 log = logging.getLogger(__name__)
 
-BACKOFF_FIRST = 0.05   # seconds before the first retry of a failed flight; doubles to 1 s
-
 # Error replies that mean "not now" rather than "never": retried like a lost connection.
 TRANSIENT_REPLIES = ("NOSCRIPT", "LOADING", "BUSY", "TRYAGAIN", "MASTERDOWN", "READONLY")
 
@@ -117,7 +115,6 @@ class RedisWriter:
         # timeout for all, so the oldest expires first and one timer suffices.
         self._timed: collections.deque[tuple[float, asyncio.Future]] = collections.deque()
         self._timed_timer: asyncio.TimerHandle | None = None
-        self._backoff = BACKOFF_FIRST   # before the next retry of a failed flight
 
     # ---- queueing ----
     def start(self) -> None:
@@ -209,6 +206,7 @@ class RedisWriter:
 
     # ---- the flush loop ----
     async def _run(self) -> None:
+        backoff = 0.05
         while not self.fenced:
             if self._unsent_from < len(self._pending) and len(self._flights) < self.max_in_flight:
                 await self._start_next()
@@ -223,31 +221,26 @@ class RedisWriter:
                 self._wake.clear()
                 await self._wake.wait()   # its last reply, or a new write for the window
                 continue
+            self._flights.popleft()
             try:
                 replies = flight.replies()
             except (_Fenced, _Failed) as exc:
-                self._flights.popleft()
                 if self._failed(flight, exc):
                     return
-                await asyncio.sleep(self._backoff)
-                self._backoff = min(self._backoff * 2, 1.0)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
                 continue
-            self._retire(flight, replies)
-
-    def _retire(self, flight: "_Flight", replies: list) -> None:
-        """The oldest flight's replies came and hold no failure: its writes are durable."""
-        self._flights.popleft()
-        for _ in flight.batch:
-            w = self._pending.popleft()
-            if w.bounded:
-                self._pending_submits -= 1
-        self._unsent_from -= len(flight.batch)
-        if self.failing_since is not None:
-            log.warning("Redis answers again after %.1f s", time.monotonic() - self.failing_since)
-        self.failing_since = None
-        self._backoff = BACKOFF_FIRST
-        self._settle_stall(time.monotonic() - flight.started)
-        self._complete(flight.batch, replies)
+            for _ in flight.batch:
+                w = self._pending.popleft()
+                if w.bounded:
+                    self._pending_submits -= 1
+            self._unsent_from -= len(flight.batch)
+            if self.failing_since is not None:
+                log.warning("Redis answers again after %.1f s", time.monotonic() - self.failing_since)
+            self.failing_since = None
+            backoff = 0.05
+            self._settle_stall(time.monotonic() - flight.started)
+            self._complete(flight.batch, replies)
 
     async def _start_next(self) -> None:
         """Sends the next batch of unsent writes, without waiting for its replies."""
@@ -275,17 +268,6 @@ class RedisWriter:
             flight.future.add_done_callback(self._flight_done)
 
     def _flight_done(self, _future) -> None:
-        """Replies came. Successful flights at the head are retired here, in the
-        reader's callback, so a write's caller resumes on the next turn of the
-        loop rather than after the flush task's own turn; a failure (and the
-        next batch) is left to the flush task."""
-        flights = self._flights
-        while flights and not self.fenced and flights[0].done():
-            try:
-                replies = flights[0].replies()
-            except (_Fenced, _Failed):
-                break
-            self._retire(flights[0], replies)
         self._wake.set()
 
     def _failed(self, flight: "_Flight", exc: Exception) -> bool:
