@@ -52,6 +52,17 @@ def _poppable(req: RequestState) -> bool:
     return req.poppable
 
 
+
+def full_step_fields(req: RequestState, tok_offset: int, packed: bytes, txt_offset: int,
+                     text: bytes, ft: str, fs: str, finished: bool, lp_offset: int, lp: bytes,
+                     ct) -> tuple:
+    """lua.STEP's full form of a delta (STEP_FULL_ARGS fields); a finished one
+    carries the request's finish as recorded in memory."""
+    end = ((1, req.finish_reason, req.error, req.replica_id, repr(req.finished_at),
+            req.preemptions) if finished else (0, "", "", "", "", ""))
+    return (req.id, tok_offset, packed, txt_offset, text, ft, fs, *end, lp_offset, lp, ct,
+            req.assignments)
+
 class RequestTable(CrossRouter):
     def __init__(self, store: Store, writer: RedisWriter, metrics, *, lease_ttl: float,
                  max_requeues: int, show_output: str = "first_and_finish"):
@@ -405,10 +416,8 @@ class RequestTable(CrossRouter):
         text = "".join(req.parts[:n_parts]).encode()
         ft = repr(req.first_token_at) if req.first_token_at else ""
         fs = repr(req.first_scheduled_at) if req.first_scheduled_at else ""
-        end = ((1, req.finish_reason, req.error, req.replica_id, repr(req.finished_at),
-                req.preemptions) if finished else (0, "", "", "", "", ""))
-        return (req.id, 0, pack_tokens(req.tokens[:n_tok]), 0, text, ft, fs, *end, 0, lp,
-                req.cached_tokens or "", req.assignments)
+        return full_step_fields(req, 0, pack_tokens(req.tokens[:n_tok]), 0, text, ft, fs, finished,
+                                0, lp, req.cached_tokens or "")
 
     def _step_item(self, req: RequestState, d, replica_id: str, now: float) -> tuple:
         """One delta into memory; returns its lua.STEP fields, in the plain form
@@ -445,13 +454,12 @@ class RequestTable(CrossRouter):
             req.replica_id = replica_id
             self._disown(req)
             self._finish(req, d.finish_reason, d.error, "")
-            return (req.id, tok_offset, packed, txt_offset, text, ft, fs, 1, req.finish_reason,
-                    req.error, req.replica_id, repr(req.finished_at), req.preemptions,
-                    lp_offset, lp, ct, req.assignments)
+            return full_step_fields(req, tok_offset, packed, txt_offset, text, ft, fs, True,
+                                    lp_offset, lp, ct)
         if not (ft or fs or lp or ct):
             return (req.id, tok_offset, packed, txt_offset, text, req.assignments)
-        return (req.id, tok_offset, packed, txt_offset, text, ft, fs, 0, "", "", "", "", "",
-                lp_offset, lp, ct, req.assignments)
+        return full_step_fields(req, tok_offset, packed, txt_offset, text, ft, fs, False,
+                                lp_offset, lp, ct)
 
     @staticmethod
     def _record_logprobs(req: RequestState, d) -> tuple[int, bytes]:
