@@ -5,11 +5,38 @@ from __future__ import annotations
 import json
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tree_commit(tree: Path = ROOT) -> str:
+    """A tree's commit: its COMMIT file, else git's answer if the tree is a
+    checkout's root (with ' (modified)' when tracked files differ from it).
+    A COMMIT file comes first: a copy made by git archive has one
+    (prepare-device-cpu-carry.sh), and a device call should carry one written
+    just before it (`git rev-parse HEAD > COMMIT`), since the device copy's git
+    names the commit its session started from, not the tree's."""
+    named = tree / "COMMIT"
+    if named.exists():
+        return named.read_text().strip()
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(tree), *args], capture_output=True,
+                                  text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    top = git("rev-parse", "--show-toplevel")
+    if not top or Path(top).resolve() != tree.resolve():
+        return "unknown (not a git checkout's root)"
+    modified = git("status", "--porcelain", "--untracked-files=no")
+    return git("rev-parse", "HEAD") + (" (modified)" if modified else "")
 
 
 def percentile(values, q: float) -> float | None:

@@ -73,7 +73,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=50)
     args = ap.parse_args()
-    result = {"command": "python3 " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+    from benchmarks.common import tree_commit
+
+    result = {"command": "python3 " + " ".join(sys.argv), "commit": tree_commit(),
+              "gpu": torch.cuda.get_device_name(),
               "heads": {"qo": QO_HEADS, "kv": KV_HEADS, "dim": HEAD_DIM, "page": PAGE}, "rows": []}
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     for context in map(int, args.contexts.split(",")):

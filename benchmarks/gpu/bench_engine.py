@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.common import tree_commit  # noqa: E402
 from replica_worker import LLM, SamplingParams  # noqa: E402
 from replica_worker.engine.model_runner import _Chunk  # noqa: E402
 from replica_worker.engine.sequence import Sequence  # noqa: E402
@@ -47,7 +48,8 @@ from replica_worker.engine.sequence import Sequence  # noqa: E402
 CTX = 1024
 RESULTS: dict = {"command": " ".join(
     [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("QUADRIGA_")]
-    + [os.path.basename(sys.executable)] + sys.argv)}
+    + [os.path.basename(sys.executable)] + sys.argv),
+    "commit": tree_commit()}
 OUT: Path | None = None
 
 

@@ -102,7 +102,10 @@ def main() -> None:
     one = torch.ones((), device="cuda")
     bf16_bytes = sum(w.numel() * 2 for row in layers for w, _ in row)
     fp8_bytes = bf16_bytes // 2
-    results = {"command": " ".join(["python3"] + sys.argv), "gpu": torch.cuda.get_device_name(),
+    from benchmarks.common import tree_commit
+
+    results = {"command": " ".join(["python3"] + sys.argv), "commit": tree_commit(),
+               "gpu": torch.cuda.get_device_name(),
                "torch": torch.__version__, "layers": LAYERS, "shapes_out_in": SHAPES, "rows": []}
     for m in [int(t) for t in args.tokens.split(",")]:
         xs = {k: torch.randn(m, k, device="cuda").to(torch.bfloat16) for _, k in SHAPES}

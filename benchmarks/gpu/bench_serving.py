@@ -210,7 +210,10 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(r), flush=True)
         return 0
     folder = model_folder(Path(args.tokenizer), SMOKE_BODY if args.smoke else LLAMA31_8B)
+    from benchmarks.common import tree_commit
+
     out = {"command": " ".join(["python3", "benchmarks/gpu/bench_serving.py", *sys.argv[1:]]),
+           "commit": tree_commit(),
            "workload": {"requests": args.requests, "input_len": args.input_len, "output_len": args.output_len,
                         "greedy": True, "ignore_eos": True, "stream_interval": 1},
            "model": ("a 2-layer smoke body" if args.smoke else "Llama-3.1-8B body") +

@@ -281,6 +281,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child_main(args)
+    from benchmarks.common import tree_commit
+
+    RESULTS["commit"] = tree_commit()
     OUT = Path(args.out)
     # This process never touches a GPU: each section's engine starts on idle ones.
     ceil_path = Path(tempfile.mkdtemp()) / "ceilings.json"

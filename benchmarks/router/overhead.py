@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import tree_commit
 from benchmarks.router.local_router import LocalRouter, cpu_seconds, project_env, scrape  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -339,21 +340,6 @@ def run_paired(args, argv: list[str], work: Path, names: list[str]) -> list[dict
                 row.update(pair=repeat, cpus=f"{min(cpus)}-{max(cpus)}")
                 rows.append(row)
     return rows
-
-
-def tree_commit(tree: Path) -> str:
-    """A tree's commit: its COMMIT file (a copy made by git archive has one, written by
-    prepare-device-cpu-carry.sh; run_device_cpu.sh asks for one in the tree itself,
-    since the device copy's git names the commit its session started from), else
-    git's answer if the tree is a checkout's root."""
-    if (tree / "COMMIT").exists():
-        return (tree / "COMMIT").read_text().strip()
-    top = subprocess.run(["git", "-C", str(tree), "rev-parse", "--show-toplevel"],
-                         capture_output=True, text=True).stdout.strip()
-    if not top or Path(top).resolve() != tree.resolve():
-        return "unknown (not a git checkout's root)"
-    return subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
 
 
 def main(argv=None) -> int:

@@ -12,6 +12,7 @@ import sys
 from collections import defaultdict
 from importlib import metadata
 
+from benchmarks.common import tree_commit
 from benchmarks.router.local_router import ROOT
 
 # Quadriga's HTTP path against sglang-router: at most this many times its added
@@ -52,12 +53,6 @@ def _command_output(cmd) -> str | None:
 def environment(args, wrk_version: str, peer_env, load_before, load_after) -> dict:
     from common.redis_server import redis_server_binary
 
-    named = ROOT / "COMMIT"   # written before a device call: the device copy's git is stale
-    if named.exists():
-        commit, dirty = named.read_text().strip(), None
-    else:
-        commit = _command_output(["git", "rev-parse", "HEAD"])
-        dirty = _command_output(["git", "status", "--porcelain", "--untracked-files=no"])
     return {
         "machine": {
             "cpus": os.cpu_count(), "cpu_model": _read("/proc/cpuinfo", "model name"),
@@ -67,7 +62,7 @@ def environment(args, wrk_version: str, peer_env, load_before, load_after) -> di
             "note": args.machine_note,
         },
         "versions": {
-            "quadriga_commit": (commit or "unknown") + (" (modified)" if dirty else ""),
+            "quadriga_commit": tree_commit(ROOT),
             "python": sys.version.split()[0],
             **{name: peer_env.version(name) if peer_env else None
                for name in ("sglang-router", "vllm-router")},

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import redis
 
-from benchmarks.router.overhead import ROOT, tree_commit
+from benchmarks.common import tree_commit
+from benchmarks.router.overhead import ROOT
 from common.redis_server import RedisServer
 from router.persistence import lua
 from router.persistence.store import pack_tokens

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import redis
 
+from benchmarks.common import tree_commit
 from benchmarks.router import tier as tier_bench
-from benchmarks.router.overhead import ROOT, tree_commit
+from benchmarks.router.overhead import ROOT
 from common.tiny_model import build_tiny_model
 
 WATCHED = ("evalsha", "xadd", "xread", "hgetall", "zscore")
