@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy
+
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,13 +42,11 @@ def tree_commit(tree: Path = ROOT) -> str:
 
 
 def percentile(values, q: float) -> float | None:
-    """Linear-interpolated percentile, q in [0, 100]; None for no values."""
-    xs = sorted(values)
-    if not xs:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]; None for no values."""
+    values = list(values)
+    if not values:
         return None
-    k = (len(xs) - 1) * q / 100.0
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    return float(numpy.percentile(values, q))
 
 
 def summarize(values) -> dict:
