@@ -300,8 +300,10 @@ MOVE_ITEM_ARGS = 3
 # then its finish. A delta that starts past the recorded output finds
 # a hole: Redis lost writes it had acknowledged (a restart from an AOF fsynced
 # once a second, a failover to a lagging replica); it writes nothing, and the
-# router rewrites the request's output whole from its memory (table.py).
-# -> 1 per delta: 1 written, 0 dropped, 2 a hole (nothing written).
+# router rewrites the request's output whole from its memory (table.py). A
+# request with no record at all (lost the same way, or removed by ABANDON)
+# writes nothing either; the router may store it again (RESTORE).
+# -> 1 per delta: 1 written, 0 dropped, 2 a hole, 3 no record (nothing written).
 STEP = fenced(FINISH_EVENT + """
 local prefix, ttl = ARGV[1], tonumber(ARGV[2])
 local written = {}
@@ -323,7 +325,9 @@ while i <= #ARGV do
   local h = prefix .. 'req:' .. id
   local st, n, br, fe = unpack(redis.call('HMGET', h, 'st', 'n', 'br', 'fe'))
   local o = prefix .. 'out:' .. id
-  if st ~= 'r' or n ~= want_n or (br or '') ~= router_ then
+  if not st then
+    written[#written + 1] = 3
+  elseif st ~= 'r' or n ~= want_n or (br or '') ~= router_ then
     written[#written + 1] = 0
   elseif tonumber(tok_at) > redis.call('STRLEN', o) then
     written[#written + 1] = 2
@@ -364,6 +368,45 @@ return written
 STEP_PLAIN_ARGS = 6    # a plain delta's fields, after its 'p'
 STEP_FULL_ARGS = 17    # a full delta's fields, after its 'f'
 STEP_HOLE = 2          # its reply for a delta that starts past the recorded output
+STEP_NO_RECORD = 3     # its reply for a delta of a request Redis holds no record of
+
+# Stores again the record of a request this router runs and fronts, which
+# Redis lost (a restart from an AOF fsynced once a second, a failover to a
+# lagging replica dropped the writes that stored and leased it): the
+# submit's fields, leased to the caller's replica under its assignment
+# count, in the inflight and live sets; its output follows in a full-form
+# STEP. A request that has a record is left as it is. Its queue member is
+# made anew from its arrival (a requeue puts it back in arrival order).
+# ARGV: prefix, then RESTORE_ITEM_ARGS per request: id, submit token,
+#   digest, spec json, packed prompt ids, prompt length, max tokens,
+#   priority, arrival, arrival (us), stream interval, replica, assignment
+#   count, requeues, lease expiry.
+# -> 1 per request: 1 stored, 0 it had a record.
+RESTORE = fenced("""
+local prefix = ARGV[1]
+local out = {}
+for i = 2, #ARGV, 15 do
+  local id = ARGV[i]
+  local h = prefix .. 'req:' .. id
+  if redis.call('EXISTS', h) == 1 then
+    out[#out + 1] = 0
+  else
+    local seq = redis.call('INCR', prefix .. 'seq')
+    local member = string.format('%016d%012d:', tonumber(ARGV[i + 9]), seq) .. id
+    redis.call('HSET', h, 'tok', ARGV[i + 1], 'd', ARGV[i + 2], 'sp', ARGV[i + 3],
+      'p', ARGV[i + 4], 'pl', ARGV[i + 5], 'mt', ARGV[i + 6], 'pr', ARGV[i + 7],
+      'at', ARGV[i + 8], 'si', ARGV[i + 10], 'q', '', 'm', member, 'seq', seq,
+      'st', 'r', 'o', ARGV[i + 11], 'n', ARGV[i + 12], 'rq', ARGV[i + 13],
+      'fe', router_, 'br', router_, 'sat', now_, 'asg', now_, 'pat', now_,
+      'ao', redis.call('INCR', prefix .. 'ao'))
+    redis.call('ZADD', prefix .. 'inflight', ARGV[i + 14], id)
+    redis.call('SADD', prefix .. 'live', id)
+    out[#out + 1] = 1
+  end
+end
+return out
+""")
+RESTORE_ITEM_ARGS = 15
 
 # Ends requests that did not finish through a step (cancel, errors, requeue
 # limit), queued or running; a finished one is left as it is. A request

@@ -122,6 +122,7 @@ class Store:
         self._kick = self.lean.script(lua.KICK)
         self._finish = self.lean.script(lua.FINISH)
         self._abandon = self.lean.script(lua.ABANDON)
+        self._restore = self.lean.script(lua.RESTORE)
         self._leases = self.lean.script(lua.LEASES)
         self._renew_router = self.lean.script(lua_routers.RENEW_ROUTER)
         self._sweep_routers = self.lean.script(lua_routers.SWEEP_ROUTERS)
@@ -177,6 +178,17 @@ class Store:
                       max_tokens, priority, repr(arrival), int(arrival * 1e6), stream_interval, queue,
                       1 if tell_others else 0),
                      reply_arity=lua.SUBMIT_REPLY_ITEMS, item_args=lua.SUBMIT_ITEM_ARGS, bounded=True)
+
+    def restore(self, rid: str, token: str, digest: str, spec_json: str, prompt_ids,
+                max_tokens: int, priority: int, arrival: float, stream_interval: int,
+                replica: str, assignments: int, requeues: int, lease_expiry: float) -> Write:
+        """Stores again a running request whose record Redis lost (lua.RESTORE).
+        Reply: 1 stored, 0 it had a record."""
+        return Write(self._restore, (self.prefix,),
+                     (rid, token, digest, spec_json, pack_tokens(prompt_ids), len(prompt_ids),
+                      max_tokens, priority, repr(arrival), int(arrival * 1e6), stream_interval,
+                      replica, assignments, requeues, repr(lease_expiry)),
+                     reply_arity=1, item_args=lua.RESTORE_ITEM_ARGS)
 
     def pop(self, queue: str, replica: str, max_requests: int, max_prompt_tokens: int | None,
             lease_expiry: float, now: float, token: str) -> Write:

@@ -35,7 +35,7 @@ import time
 import uuid
 from typing import Callable
 
-from router.persistence.lua import STEP_HOLE
+from router.persistence.lua import STEP_HOLE, STEP_NO_RECORD
 from router.persistence.store import Popped, Store, pack_logprobs, pack_tokens
 from router.persistence.writer import RedisWriter
 from router.requests.queue_order import QueueOrder
@@ -363,18 +363,20 @@ class RequestTable(CrossRouter):
 
         def durable(reply) -> None:
             written = reply if isinstance(reply, list) else [1] * len(marks)
-            holes = []
+            holes, lost = [], []
             for mark, ok in zip(marks, written):
                 req, n_tok, n_parts, finished, before = mark
                 ok = int(ok)
                 if ok == STEP_HOLE:
                     holes.append(mark)
-                elif not ok:
+                elif ok == STEP_NO_RECORD and self._restorable(req, replica_id, finished):
+                    lost.append(mark)
+                elif ok != 1:
                     self.step_dropped(req, before, finished)
                 else:
                     self._written(req, n_tok, n_parts, finished)
-            if holes:
-                self._rewrite_output(holes, on_durable)
+            if holes or lost:
+                self._rewrite_output(holes, lost, replica_id, on_durable)
             else:
                 on_durable()
 
@@ -387,16 +389,46 @@ class RequestTable(CrossRouter):
         if finished:
             self._forget_finished(req)
 
-    def _rewrite_output(self, holes: list, on_durable: Callable[[], None]) -> None:
-        """Redis lost output it had acknowledged (lua.STEP found a hole): each
-        request's output up to the refused delta is written again whole, from
-        memory, in the full form; the replica's Ack waits for it."""
-        log.warning("Redis lost recorded output of %d request(s) (a restart or failover "
-                    "that dropped acknowledged writes): writing it again from memory", len(holes))
-        self.metrics.lost_writes.labels("output").inc(len(holes))
+    def _restorable(self, req: RequestState, replica_id: str, finished: bool) -> bool:
+        """Whether this router may store again the record of a request Redis has
+        none of: one it fronts and still holds, that ran here on this replica
+        (or finished with this delta); not one it withdrew or that ended here
+        otherwise meanwhile (cancelled, failed), nor one another router runs
+        (its record may have been removed on purpose, lua.ABANDON)."""
+        if not req.front or self.requests.get(req.id) is not req or req.id in self._withdrawing:
+            return False
+        return finished or (req.phase in (Phase.RUNNING, Phase.DETACHED)
+                            and req.owner == replica_id and not req.finished)
+
+    def _rewrite_output(self, holes: list, lost: list, replica_id: str,
+                        on_durable: Callable[[], None]) -> None:
+        """Redis lost writes it had acknowledged (a restart from an AOF fsynced
+        once a second, a failover to a lagging replica): lua.STEP found a hole in
+        a request's output (holes) or no record of it at all (lost). A lost
+        record is stored again from memory (lua.RESTORE); then each request's
+        output up to the refused delta is written again whole, from memory, in
+        the full form. The replica's Ack waits for it."""
+        if holes:
+            log.warning("Redis lost recorded output of %d request(s) (a restart or failover "
+                        "that dropped acknowledged writes): writing it again from memory",
+                        len(holes))
+            self.metrics.lost_writes.labels("output").inc(len(holes))
+        if lost:
+            log.warning("Redis lost the record of %d running request(s) (a restart or failover "
+                        "that dropped acknowledged writes): storing it again from memory",
+                        len(lost))
+            self.metrics.lost_writes.labels("record").inc(len(lost))
+            expiry = time.time() + self.lease_ttl
+            for req, *_ in lost:
+                spec = req.spec
+                self.writer.post(self.store.restore(
+                    req.id, req.submit_token, req.digest, spec.sampling.set_fields_json,
+                    req.prompt_ids, req.max_tokens, spec.priority, req.arrival,
+                    spec.stream_interval, replica_id, req.assignments, req.requeues, expiry))
+        marks = holes + lost
 
         def durable(reply) -> None:
-            for (req, n_tok, n_parts, finished, before), ok in zip(holes, reply):
+            for (req, n_tok, n_parts, finished, before), ok in zip(marks, reply):
                 if int(ok) == 1:
                     self._written(req, n_tok, n_parts, finished)
                 else:
@@ -404,7 +436,7 @@ class RequestTable(CrossRouter):
             on_durable()
 
         items = [self._whole_output_item(req, n_tok, n_parts, finished)
-                 for req, n_tok, n_parts, finished, _ in holes]
+                 for req, n_tok, n_parts, finished, _ in marks]
         self.writer.post(self.store.step(items)).on_done = durable
 
     @staticmethod

@@ -355,3 +355,43 @@ def test_step_takes_plain_and_full_deltas_and_merged_writes_get_their_own_replie
             assert await r.hget("mixed:req:b", "st") == b"r"
 
     arun(scenario())
+
+
+def test_a_step_of_a_request_with_no_record_says_so_and_restore_stores_it_once(redis_url, arun):
+    """A delta of a request Redis has no record of is refused with its own reply
+    (3, not "dropped"); RESTORE stores the request again as running on the
+    caller's replica under its assignment count, only where no record is (run
+    twice it changes nothing), and the whole output then written in the full
+    form finishes it as any request."""
+
+    async def scenario():
+        async with store_and_writer(redis_url, "restore:") as (store, writer):
+            r = store.redis
+            await writer.call(submit(store, "a", 2, token="ta", arrival=1000.5))
+            assert await pop(writer, store, 5, None, "p1") == ["a"]
+            await r.delete("restore:req:a", "restore:out:a")
+            await r.zrem("restore:inflight", "a")
+            await r.srem("restore:live", "a")
+            plain = [("a", 0, pack_tokens([5]), 0, b"h", 1)]
+            assert await writer.call(store.step(plain)) == [3]
+
+            restore = store.restore("a", "ta", "d", "{}", [1, 1], 4, 0, 1000.5, 1, "rep", 1, 0, 2e9)
+            assert await writer.call(restore) == [1]
+            assert await writer.call(store.restore("a", "ta", "d", "{}", [1, 1], 4, 0, 1000.5, 1,
+                                                   "rep", 1, 0, 2e9)) == [0]
+            assert await r.hmget("restore:req:a", "st", "o", "n", "tok", "pl", "q") == [
+                b"r", b"rep", b"1", b"ta", b"2", b""]
+            assert await r.zscore("restore:inflight", "a") == 2e9
+            assert await store.live_ids() == ["a"]
+            whole = [("a", 0, pack_tokens([5, 6]), 0, b"hi", "1.0", "", 1, "length", "", "rep",
+                      "3.0", "0", 0, b"", "", 1)]
+            assert await writer.call(store.step(whole)) == [1]
+            assert await r.get("restore:out:a") == pack_tokens([5, 6])
+            assert await r.hget("restore:req:a", "st") == b"f"
+            assert await store.live_ids() == [] and await r.zcard("restore:inflight") == 0
+            # A request that has a record is left as it is.
+            assert await writer.call(store.restore("a", "ta", "d", "{}", [1, 1], 4, 0, 1000.5, 1,
+                                                   "rep", 1, 0, 2e9)) == [0]
+            assert await r.hget("restore:req:a", "st") == b"f"
+
+    arun(scenario())

@@ -440,16 +440,18 @@ def test_queued_requests_redis_lost_are_stored_again_once_it_answers(proxy, dire
     arun(scenario())
 
 
-def test_a_running_request_whose_record_redis_lost_fails_with_a_message(proxy, direct,
-                                                                        tiny_model, arun):
-    """Redis lost a running request's whole record: no router can finish it in
-    Redis, so its client is told (FINISH_REASON_ERROR with a message) instead
-    of waiting forever, and others run on."""
+def test_a_running_request_whose_record_redis_lost_is_stored_again_and_finishes(
+        proxy, direct, tiny_model, arun):
+    """Redis lost a running request's whole record (a restart from an AOF fsynced
+    once a second drops the writes that stored and leased a request that had
+    just started): the router that runs and fronts it stores it again from
+    memory, and it finishes exactly, in Redis too, with nothing recomputed; the
+    others run on."""
     async def scenario():
         async with running_router(make_config(proxy.url, tiny_model)) as app:
             vocab = app.limits.vocab_size
             reps = Replicas(app.address, vocab)
-            await reps.add("r0", step_delay=0.02)
+            rep = await reps.add("r0", step_delay=0.02)
             async with client(app.address) as stub:
                 gone = asyncio.create_task(collect(stub, request([3], 200, request_id="gone"),
                                                    timeout=30))
@@ -458,12 +460,22 @@ def test_a_running_request_whose_record_redis_lost_fails_with_a_message(proxy, d
                 await wait_until(lambda: direct.strlen(app.store.out_key("gone")) >= 4 * 5)
                 direct.delete(app.store.req_key("gone"), app.store.out_key("gone"),
                               app.store.txt_key("gone"))
+                direct.zrem(app.store.inflight_key, "gone")
+                direct.srem(app.store.live_key, "gone")
                 msgs = await gone
-                assert msgs[-1].finish_reason == gpb.FINISH_REASON_ERROR
-                assert "Redis lost" in msgs[-1].error
+                assert tokens_of(msgs) == expected_tokens([3], 200, vocab)
+                assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
+                assert msgs[-1].timings.requeues == 0
                 kept = await other
                 assert tokens_of(kept) == expected_tokens([4], 50, vocab)
-            assert app.metrics.lost_writes.labels("record")._value.get() == 1
+                await app.writer.drain(5)
+                [rec] = await app.store.load_requests(["gone"])
+                assert rec["tokens"] == expected_tokens([3], 200, vocab) and rec["st"] == b"f"
+                again = await collect(stub, request([3], 200, request_id="gone"))
+                assert tokens_of(again) == expected_tokens([3], 200, vocab)
+            assert app.metrics.lost_writes.labels("record")._value.get() >= 1
+            assert len(rep.rec.assignments) == 2 and not rep.rec.cancels
             await reps.close()
+            await assert_clean(app)
 
     arun(scenario())
