@@ -5,7 +5,9 @@ sweeps the in-flight leases of every router (lua_routers.SWEEP_INFLIGHT): a
 running request whose lease lapsed while its back router is gone goes back
 to the shared queue, with its output so far. It also drops the prefix-cache
 views of replicas whose stream broke a lease ago and did not come back
-(replicas/ops.py), and syncs the writer's and the prefix index's gauges.
+(replicas/ops.py), reads back the requests it fronts that another router
+runs and it has heard nothing of for two leases (remote.py:
+read_back_silent), and syncs the writer's and the prefix index's gauges.
 
 There is no recovery at start: a router takes in what it does not hold when
 it meets it (a pop returns the record, a replica registering with requests
@@ -69,6 +71,8 @@ class Reaper:
             self.ops.lease_lapsed(req)
         self.writer.post(self.store.sweep_inflight(cfg.lease_ttl)).on_done = self._swept
         self.scheduler.probe_shared_queue()
+        # Two leases without news of a request another router runs: read it back.
+        self.table.read_back_silent(mono, 2 * cfg.lease_ttl)
         self.ops.expire_prefix_views(mono)
         index = self.ops.prefix_index
         self.metrics.sync_prefix_index(len(index), index.evictions)

@@ -13,6 +13,8 @@ one of its replicas' queues; past that it forgets it (Redis still has it).
 
 from __future__ import annotations
 
+import time
+
 from router.requests.record import (RecordedDelta, finish_from_record, merge_output,
                                     state_from_record, take_output, take_timings)
 from router.requests.request import CANCELLED, Phase, RequestState
@@ -75,6 +77,22 @@ class CrossRouter:
         for delta in waiting:
             self.remote_output(delta)
 
+    def read_back_silent(self, now: float, silence: float) -> None:
+        """REMOTE requests this router fronts that had no news for `silence`
+        seconds (monotonic `now`) are read back from Redis (on_reload): their
+        back router may have stopped running them without a word (it found
+        their record gone, lua.STEP's 3) or its events may be lost. Each is read
+        at most once a `silence`; a record gone fails it with a message
+        (refresh), one that moved on is taken in as any reload."""
+        for req in self.requests.values():
+            if req.phase is not Phase.REMOTE or not (req.front or req.subscribers):
+                continue
+            if not req.heard_at:
+                req.heard_at = now
+            elif now - req.heard_at >= silence:
+                req.heard_at = now
+                self.on_reload(req.id)
+
     # ---- events ----
     def run_moved(self, rid: str, assignments: int) -> None:
         """Another router took its run side: popped it ('a') or adopted it with
@@ -83,6 +101,7 @@ class CrossRouter:
         if req is None or req.finished or assignments < req.assignments:
             return
         req.assignments = assignments
+        req.heard_at = time.monotonic()
         if req.phase is Phase.QUEUED:
             self._dequeue(req)
         elif req.owner is not None:
@@ -101,6 +120,7 @@ class CrossRouter:
         req = self.requests.get(delta.rid)
         if req is None or req.finished or req.owner is not None:
             return   # not held, or run here now: this is an earlier assignment's
+        req.heard_at = time.monotonic()
         if req.phase is Phase.QUEUED:
             self._dequeue(req)
             req.phase = Phase.REMOTE

@@ -71,6 +71,7 @@ class RequestState:
         self.queue = ""                       # queue name while QUEUED
         self.owner: str | None = None         # replica id while RUNNING or DETACHED
         self.lease_deadline = 0.0             # unix s; DETACHED requests are requeued after it
+        self.heard_at = 0.0                   # monotonic s: a REMOTE request's last news (remote.py)
         self.assignments = 0                  # times popped (guards a retried requeue)
         self.tokens: list[int] = []
         # With sampling.logprobs = k: per token (logprob, ((token id, logprob) x k)).

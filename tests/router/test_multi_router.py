@@ -359,3 +359,39 @@ def test_a_request_no_router_was_told_of_is_found_by_the_probe(redis_url, tiny_m
             await reps.close()
 
     arun(scenario())
+
+
+def test_a_request_whose_record_redis_lost_while_another_router_ran_it_fails_at_its_front(
+        redis_url, tiny_model, arun):
+    """Redis lost the record of a request that router B runs for router A's
+    client: B cannot tell a lost record from one removed on purpose, so it
+    stops running it; A, hearing nothing of it for two leases, reads it back,
+    finds no record and tells its client (FINISH_REASON_ERROR with a message)
+    instead of leaving it waiting. Another request runs on."""
+
+    async def scenario():
+        async with two_routers(redis_url, tiny_model) as (a, b):
+            vocab = a.limits.vocab_size
+            reps = Replicas(b.address, vocab)
+            rep = await reps.add("far", step_delay=0.02)
+            await wait_for_remote_replicas(a)
+            async with client(a.address) as stub:
+                gone = asyncio.create_task(collect(stub, request([3], 400, request_id="gone"),
+                                                   timeout=60))
+                kept = asyncio.create_task(collect(stub, request([4], 50, request_id="kept"),
+                                                   timeout=60))
+                r = a.store.redis
+                await wait_until(lambda: a.table.get("gone") and len(a.table.get("gone").tokens) >= 5)
+                await r.delete(a.store.req_key("gone"), a.store.out_key("gone"),
+                               a.store.txt_key("gone"))
+                started = time.monotonic()
+                msgs = await gone
+                assert msgs[-1].finish_reason == gpb.FINISH_REASON_ERROR
+                assert "Redis lost" in msgs[-1].error
+                assert time.monotonic() - started < 4 * a.config.lease_ttl
+                assert tokens_of(await kept) == expected_tokens([4], 50, vocab)
+            await wait_until(lambda: "gone" in rep.rec.cancels)
+            await wait_until(lambda: not a.table.requests and not b.table.requests)
+            await reps.close()
+
+    arun(scenario())
