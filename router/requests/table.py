@@ -52,7 +52,6 @@ def _poppable(req: RequestState) -> bool:
     return req.poppable
 
 
-
 def full_step_fields(req: RequestState, tok_offset: int, packed: bytes, txt_offset: int,
                      text: bytes, ft: str, fs: str, finished: bool, lp_offset: int, lp: bytes,
                      ct) -> tuple:
@@ -62,6 +61,7 @@ def full_step_fields(req: RequestState, tok_offset: int, packed: bytes, txt_offs
             req.preemptions) if finished else (0, "", "", "", "", ""))
     return (req.id, tok_offset, packed, txt_offset, text, ft, fs, *end, lp_offset, lp, ct,
             req.assignments)
+
 
 class RequestTable(CrossRouter):
     def __init__(self, store: Store, writer: RedisWriter, metrics, *, lease_ttl: float,
