@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# On the H200: the decode kernels that are off until measured (the rotary kernel that
-# also stores k and v, QUADRIGA_FUSED_KV_STORE; the few-row matmul,
-# QUADRIGA_SMALL_M_GEMV_ROWS): their CUDA tests, then bench_decode_kernels.py (every
-# decode matmul against cuBLAS; decode steps of the engine with each variant).
+# On the H200 (or an H100): the decode kernels (the rotary kernel that also stores k
+# and v, QUADRIGA_FUSED_KV_STORE; the few-row matmul, QUADRIGA_SMALL_M_GEMV_ROWS; both
+# on by default): their CUDA tests, then bench_decode_kernels.py (every decode matmul
+# against cuBLAS; decode steps of the engine with each variant on and off).
 # Usage (device tool, carrying .carry from prepare-carry.sh):
 #   bash benchmarks/gpu/run_decode_kernels.sh .carry $OUT
 set -uo pipefail

@@ -1,5 +1,5 @@
-"""CUDA-only (skipped without a GPU): the decode kernels that are off by default until
-measured (benchmarks/gpu/bench_decode_kernels.py) serve the engine as the default path
+"""CUDA-only (skipped without a GPU): the decode kernels (on by default since measured
+by benchmarks/gpu/bench_decode_kernels.py) serve the engine as the path without them
 does: the rotary kernel that also stores k and v gives the same tokens bit for bit,
 and the few-row matmul takes exactly the matmuls it should."""
 

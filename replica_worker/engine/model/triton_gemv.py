@@ -9,10 +9,11 @@ features and runs the full K, so there is no split and no second kernel; the row
 are padded to 16 inside the program (tl.dot's smallest tile), which costs nothing on a
 matmul bound by reading W. tl.dot also lets Triton pipeline W's loads (num_stages).
 
-Used when QUADRIGA_SMALL_M_GEMV_ROWS=N (N <= 16) is set, for CUDA bf16/fp16
-projections of at most N rows (parallel.small_m_linear: every projection and the
-lm_head); imported only then, so CPU runs never import triton for it. Off by default
-until benchmarks/gpu/bench_decode_kernels.py shows it beats cuBLAS on the H200. The
+Used for CUDA bf16/fp16 projections of at most QUADRIGA_SMALL_M_GEMV_ROWS rows
+(16 by default, at most 16; 0 turns it off; parallel.small_m_linear: every
+projection and the lm_head); imported only then, so CPU runs never import triton
+for it. On by default since two H100 runs of benchmarks/gpu/bench_decode_kernels.py
+(it beats cuBLAS on every 8B decode shape there); not yet measured on the H200. The
 block sizes come from the same benchmark (CONFIGS). Accumulates in fp32, as cuBLAS
 does, in another order: outputs agree to about one bf16 rounding step.
 """
