@@ -140,7 +140,10 @@ def test_routers_stopped_mid_stream_lose_and_recompute_nothing(router_tier, hf_r
         tier.start_replica(f"r{i}", "--max-num-seqs", "2", router=",".join(tier.addresses(1, 2, 0)),
                            wait=False)
     tier.wait_registered("r0", "r1")
-    max_tokens = 2 * MAX_TOKENS
+    # Long enough that both replicas stream before either finishes one: with 96
+    # the first replica once finished a request before the other's reached 3
+    # tokens (as in the freeze test below), and a finished stream sees no stop.
+    max_tokens = 160
 
     async def stop(i: int, sig) -> None:
         tier.routers[i].proc.send_signal(sig)
