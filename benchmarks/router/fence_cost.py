@@ -20,18 +20,13 @@ import json
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import redis
-
 from benchmarks.common import tree_commit
-from benchmarks.router.step_forms_cost import _cpu_s
-from common.redis_server import RedisServer
+from benchmarks.router.step_forms_cost import PREFIX, _cpu_s, fenced_idle_redis
 from router.persistence.lua_common import FENCE
 
-PREFIX = "b:"
 
 _FENCE_CHECK = """
 if router_ ~= '' and redis.call('GET', p_ .. 'fence:' .. router_) ~= epoch_ then
@@ -75,22 +70,16 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    server = RedisServer(Path(tempfile.mkdtemp(prefix="fence-cost-")) / "redis")
-    server.start()
     rows = []
-    try:
-        client = redis.Redis.from_url(server.url)
-        client.set(PREFIX + "fence:r1", "1")
+    with fenced_idle_redis("fence-cost") as (pid, client):
         shas = {name: client.script_load(text + "\nreturn 1") for name, text in PREAMBLES.items()}
         for repeat in range(args.repeats):
             for name, sha in shas.items():
-                cpu, usec = run(client, server.proc.pid, sha, args.calls)
+                cpu, usec = run(client, pid, sha, args.calls)
                 rows.append(dict(repeat=repeat, preamble=name, redis_cpu_us_per_call=cpu,
                                  commandstats_us_per_call=usec))
                 print(f"repeat {repeat} {name:10s} {cpu:5.2f} us of Redis CPU a call, "
                       f"{usec:5.2f} us in the script", flush=True)
-    finally:
-        server.stop()
     summary = {}
     for name in PREAMBLES:
         cpu = [r["redis_cpu_us_per_call"] for r in rows if r["preamble"] == name]

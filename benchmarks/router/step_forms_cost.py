@@ -11,6 +11,7 @@ the call, building ARGV), which INFO commandstats leaves out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -29,6 +30,20 @@ from router.persistence import lua
 from router.persistence.store import pack_tokens
 
 PREFIX = "b:"
+
+
+@contextlib.contextmanager
+def fenced_idle_redis(name: str):
+    """A Redis of its own, idle but for the caller, with router r1's fence
+    (epoch 1) set: yields (its pid, a client); stopped after."""
+    server = RedisServer(Path(tempfile.mkdtemp(prefix=f"{name}-")) / "redis")
+    server.start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        client.set(PREFIX + "fence:r1", "1")
+        yield server.proc.pid, client
+    finally:
+        server.stop()
 
 
 def _cpu_s(pid: int) -> float:
@@ -65,23 +80,17 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    server = RedisServer(Path(tempfile.mkdtemp(prefix="step-forms-")) / "redis")
-    server.start()
     rows = []
-    try:
-        client = redis.Redis.from_url(server.url)
-        client.set(PREFIX + "fence:r1", "1")
+    with fenced_idle_redis("step-forms") as (pid, client):
         sha = client.script_load(lua.STEP)
         for k in args.deltas_per_call:
             for i in range(k):
                 client.hset(PREFIX + f"req:x{i}", mapping={"st": "r", "n": "1", "br": "r1", "fe": "r1"})
             for repeat in range(args.repeats):
                 for form in ("full", "plain"):
-                    us = run(client, server.proc.pid, sha, form, k, args.deltas // k)
+                    us = run(client, pid, sha, form, k, args.deltas // k)
                     rows.append(dict(deltas_per_call=k, repeat=repeat, form=form, redis_cpu_us_per_delta=us))
                     print(f"k={k} repeat {repeat} {form:5s} {us:6.2f} us of Redis CPU a delta", flush=True)
-    finally:
-        server.stop()
     summary = {}
     for k in args.deltas_per_call:
         by = {f: [r["redis_cpu_us_per_delta"] for r in rows if r["deltas_per_call"] == k and r["form"] == f]
