@@ -34,13 +34,20 @@ async def wait_for_remote_replicas(app, n=1):
     await wait_until(lambda: app.lease.remote_replicas >= n)
 
 
+async def far_replica(front, back, **kw):
+    """A scripted replica "far" on router `back`, once `front` counts it:
+    (vocab, its Replicas group, the replica)."""
+    vocab = front.limits.vocab_size
+    reps = Replicas(back.address, vocab)
+    rep = await reps.add("far", **kw)
+    await wait_for_remote_replicas(front)
+    return vocab, reps, rep
+
+
 def test_a_request_accepted_by_one_router_runs_on_a_replica_of_another(redis_url, tiny_model, arun):
     async def scenario():
         async with two_routers(redis_url, tiny_model) as (a, b):
-            vocab = a.limits.vocab_size
-            reps = Replicas(b.address, vocab)
-            rep = await reps.add("far", step_delay=0.005)
-            await wait_for_remote_replicas(a)
+            vocab, reps, rep = await far_replica(a, b, step_delay=0.005)
             prompts = [[i + 3, 5] for i in range(6)]
             async with client(a.address) as stub:
                 results = await asyncio.gather(*(collect(stub, request(p, 20)) for p in prompts))
@@ -81,10 +88,7 @@ def test_reattach_at_another_router_mid_stream(redis_url, tiny_model, arun):
 def test_cancel_at_the_front_cancels_on_the_other_routers_replica(redis_url, tiny_model, arun):
     async def scenario():
         async with two_routers(redis_url, tiny_model) as (a, b):
-            vocab = a.limits.vocab_size
-            reps = Replicas(b.address, vocab)
-            rep = await reps.add("far", hold_on_finish=True)
-            await wait_for_remote_replicas(a)
+            vocab, reps, rep = await far_replica(a, b, hold_on_finish=True)
             async with client(a.address) as stub:
                 task = asyncio.create_task(collect(stub, request([2], 5, request_id="doomed")))
                 await wait_until(lambda: rep.rec.assignments)
@@ -371,10 +375,7 @@ def test_a_request_whose_record_redis_lost_while_another_router_ran_it_fails_at_
 
     async def scenario():
         async with two_routers(redis_url, tiny_model) as (a, b):
-            vocab = a.limits.vocab_size
-            reps = Replicas(b.address, vocab)
-            rep = await reps.add("far", step_delay=0.02)
-            await wait_for_remote_replicas(a)
+            vocab, reps, rep = await far_replica(a, b, step_delay=0.02)
             async with client(a.address) as stub:
                 gone = asyncio.create_task(collect(stub, request([3], 400, request_id="gone"),
                                                    timeout=60))
