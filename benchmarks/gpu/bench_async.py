@@ -41,6 +41,17 @@ def prefill_flops(shape, n: int) -> float:
         + 4 * shape.num_heads * shape.head_dim * (n * (n + 1) // 2) * shape.num_layers
 
 
+def queue_and_drain(engine, prompts: list[list[int]], params: SamplingParams, tag: str) -> float:
+    """Seconds from the first step to the last, with every prompt queued at once."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - t
+
+
 def prefill(llm, lengths, ceil: dict, repeats: int) -> dict:
     engine = llm.engine
     shape = engine.runner.model.shape
@@ -50,13 +61,7 @@ def prefill(llm, lengths, ceil: dict, repeats: int) -> dict:
     rows = []
 
     def run(n: int, count: int, tag: str) -> float:
-        for i in range(count):
-            engine.add_request(f"{tag}-{i}", [rng.randrange(128000) for _ in range(n)], params)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
-        return time.perf_counter() - t
+        return queue_and_drain(engine, [[rng.randrange(128000) for _ in range(n)] for _ in range(count)], params, tag)
 
     for n in lengths:
         count = max(16, (1 << 17) // n)

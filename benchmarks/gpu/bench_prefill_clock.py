@@ -145,15 +145,8 @@ _PROMPTS = random.Random(5)  # one stream for the whole run: no prompt repeats, 
 
 
 def engine_prefill(engine, prompts: int, tag: str) -> float:
-    rng = _PROMPTS
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    for i in range(prompts):
-        engine.add_request(f"{tag}-{i}", [rng.randrange(128000) for _ in range(N)], params)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    return time.perf_counter() - t
+    return ba.queue_and_drain(engine, [[_PROMPTS.randrange(128000) for _ in range(N)] for _ in range(prompts)],
+                              SamplingParams(temperature=0.0, max_tokens=1), tag)
 
 
 @phase("prefill_engine")
@@ -208,8 +201,10 @@ def summarize(clock: list[tuple[float, float, float, float]]) -> None:
 
 
 def shares(result: dict) -> None:
-    """Each prefill phase's TFLOP/s over the burst ceiling (the first matmul_burst after
-    start-up, as bench_engine takes it) and over the matmul rate measured beside it."""
+    """Each prefill phase's TFLOP/s over the burst ceiling (the run's first matmul_burst,
+    taken on an idle GPU at its full clock, as bench_engine takes it; a later one can
+    find the clock still down from the load before) and over the matmul rate measured
+    beside it."""
     flops = result.get("prefill_flops_2048")
     bursts = [p["TFLOPs"] for p in PHASES if p["phase"] == "matmul_burst"]
     for i, p in enumerate(PHASES):
@@ -217,7 +212,7 @@ def shares(result: dict) -> None:
         if not (flops and ms):
             continue
         p["TFLOPs_achieved"] = achieved = flops / (ms / 1e3) / 1e12
-        p["share_of_burst"] = achieved / bursts[-1]
+        p["share_of_burst"] = achieved / bursts[0]
         beside = PHASES[i + 1] if i + 1 < len(PHASES) and PHASES[i + 1]["phase"] == "matmul_beside" else None
         if beside:
             p["share_of_beside"] = achieved / beside["TFLOPs"]

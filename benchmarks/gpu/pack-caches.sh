@@ -12,3 +12,4 @@ for f in "$out"/flashinfer-jit-cache.tar.xz "$out"/triton-cache.tar.xz; do
 done
 ls -la "$out"/*cache.tar* 2>/dev/null
 du -sh ~/.cache/flashinfer ~/.triton/cache 2>/dev/null
+du -sh ~/.nv/ComputeCache ~/.cache/* /tmp/torchinductor_* 2>/dev/null
