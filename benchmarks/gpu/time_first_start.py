@@ -1,0 +1,78 @@
+"""Where a process's first engine start goes, stage by stage (Llama-3.1-8B shape, dummy
+bf16, as the GPU benches start it): imports, CUDA's first context, LLM() and its own
+phases, then the engine's first steps (one prefill of four 2048-token prompts, a few
+decode steps), each stage's seconds printed as it ends. Run it twice on one machine to
+see what a warm cache saves. Usage on the device:
+  source benchmarks/gpu/device-env.sh .carry
+  python3 benchmarks/gpu/time_first_start.py --out $OUT/first_start.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+T0 = time.perf_counter()
+STAGES: list[tuple[str, float]] = []
+
+
+def stage(name: str, since: list[float] = [T0]) -> None:  # noqa: B006 - one running clock
+    now = time.perf_counter()
+    STAGES.append((name, now - since[0]))
+    print(f"{now - T0:8.1f}s  {name}: {now - since[0]:.2f}s", flush=True)
+    since[0] = now
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(relativeCreated)9.0fms %(name)s: %(message)s")
+    import torch
+    stage("import torch")
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    stage("CUDA context")
+    import flashinfer  # noqa: F401
+    stage("import flashinfer")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_engine as be
+    from replica_worker import LLM, SamplingParams
+    stage("import the engine")
+    model_dir = be.write_llama31_8b_config(Path(tempfile.mkdtemp()) / "llama31-8b")
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=10240,
+              scheduler="sarathi", chunk_size=8192, max_num_seqs=256, gpu_memory_utilization=0.9)
+    stage("LLM()")
+    engine = llm.engine
+    rng = random.Random(7)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    for i in range(4):
+        engine.add_request(f"s{i}", [rng.randrange(128000) for _ in range(2048)], params)
+    engine.step()
+    torch.cuda.synchronize()
+    stage("first engine step (prefill of 4 x 2048)")
+    while engine.has_unfinished():
+        engine.step()
+    torch.cuda.synchronize()
+    stage("decode steps to the end")
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1, max_tokens=4)
+    engine.add_request("sampled", [rng.randrange(128000) for _ in range(512)], seeded)
+    while engine.has_unfinished():
+        engine.step()
+    torch.cuda.synchronize()
+    stage("first sampled request")
+    result = {"stages_s": dict(STAGES), "startup_phases_s": engine.runner.startup_seconds,
+              "total_s": time.perf_counter() - T0, "gpu": torch.cuda.get_device_name(),
+              "command": be.RESULTS["command"], "commit": be.RESULTS["commit"]}
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result["startup_phases_s"]))
+
+
+if __name__ == "__main__":
+    main()
