@@ -131,8 +131,12 @@ def main(argv=None) -> int:
     print(f"model      {model}\nlogs       {log_dir}")
     children: list[Child] = []
     servers: list = []
-    # Ctrl-C and SIGTERM both end in the same orderly stop below.
+    # Ctrl-C and SIGTERM both end in the same orderly stop below. SIGINT's handler is
+    # set too: a process started in the background by a shell without job control
+    # inherits SIGINT ignored, and Python then leaves it ignored (a harness's or a
+    # test's SIGINT would go unheard).
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ok = True
     try:
         start(a, log_dir, model, children, servers)
