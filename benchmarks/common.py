@@ -22,10 +22,9 @@ def tree_commit(tree: Path = ROOT) -> str:
     A COMMIT file comes first: a copy made by git archive has one
     (prepare-device-cpu-carry.sh), and a device call should carry one written
     just before it (`git rev-parse HEAD > COMMIT`), since the device copy's git
-    names the commit its session started from, not the tree's."""
-    named = tree / "COMMIT"
-    if named.exists():
-        return named.read_text().strip()
+    names the commit its session started from, not the tree's. A COMMIT file
+    older than the checkout's last commit is one left behind by an earlier call,
+    and git is asked instead."""
 
     def git(*args: str) -> str:
         try:
@@ -35,7 +34,13 @@ def tree_commit(tree: Path = ROOT) -> str:
             return ""
 
     top = git("rev-parse", "--show-toplevel")
-    if not top or Path(top).resolve() != tree.resolve():
+    at_root = bool(top) and Path(top).resolve() == tree.resolve()
+    named = tree / "COMMIT"
+    if named.exists():
+        committed = git("log", "-1", "--format=%ct") if at_root else ""
+        if not committed.isdigit() or named.stat().st_mtime >= int(committed):
+            return named.read_text().strip()
+    if not at_root:
         return "unknown (not a git checkout's root)"
     modified = git("status", "--porcelain", "--untracked-files=no")
     return git("rev-parse", "HEAD") + (" (modified)" if modified else "")

@@ -1,5 +1,6 @@
 """benchmarks.common.tree_commit: what a results JSON names as the tree's commit."""
 
+import os
 import subprocess
 
 from benchmarks.common import tree_commit
@@ -10,7 +11,7 @@ def _git(tree, *args):
                           text=True).stdout.strip()
 
 
-def test_a_commit_file_comes_first_then_git_marks_a_modified_tree(tmp_path):
+def test_a_commit_file_comes_first_unless_stale_then_git_marks_a_modified_tree(tmp_path):
     tree = tmp_path / "tree"
     tree.mkdir()
     assert tree_commit(tree) == "unknown (not a git checkout's root)"
@@ -24,6 +25,10 @@ def test_a_commit_file_comes_first_then_git_marks_a_modified_tree(tmp_path):
     assert tree_commit(tree) == head + " (modified)"
     (tree / "COMMIT").write_text("0123abcd\n")   # a device copy's: its git is stale
     assert tree_commit(tree) == "0123abcd"
+    # A COMMIT file older than the last commit was left behind: git answers.
+    os.utime(tree / "COMMIT", (1_000_000, 1_000_000))
+    _git(tree, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "two")
+    assert tree_commit(tree) == _git(tree, "rev-parse", "HEAD")
     sub = tree / "sub"
     sub.mkdir()
     assert tree_commit(sub) == "unknown (not a git checkout's root)"
