@@ -40,6 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import tree_commit  # noqa: E402
 from common.redis_server import RedisServer  # noqa: E402
 from common.tiny_model import build_tiny_model  # noqa: E402
 from tests.support.fault_proxy import FaultProxy  # noqa: E402
@@ -211,6 +212,7 @@ def main(argv=None) -> int:
         stack.stop()
     result = {
         "command": " ".join(["python", "-m", "benchmarks.faults.run", *map(shlex.quote, sys.argv[1:])]),
+        "commit": tree_commit(),
         "setup": f"Redis (AOF), router, 2 CPU replicas (tiny model, {(args.streams + 1) // 2} seats, "
                  f"1 torch thread each) behind a TCP proxy; {args.streams} concurrent streams of "
                  f"{args.max_tokens} greedy tokens per run; lease_ttl {args.lease_ttl:g} s; "
