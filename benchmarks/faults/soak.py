@@ -36,6 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import tree_commit  # noqa: E402
 from benchmarks.faults.run import FaultStack  # noqa: E402
 from common.redis_server import free_port  # noqa: E402
 from common.tiny_model import build_tiny_model  # noqa: E402
@@ -254,6 +255,7 @@ def main(argv=None) -> int:
     first, last = rows[0], rows[-1]
     result = {
         "command": " ".join(["python", "-m", "benchmarks.faults.soak", *map(shlex.quote, sys.argv[1:])]),
+        "commit": tree_commit(),
         "setup": "Redis (AOF), router, 2 CPU replicas (tiny model, 16 seats, 1 torch thread each) "
                  "behind a TCP proxy, 2 shared cores; prompts 16-96 ids, 16-64 greedy output tokens",
         "capacity_rps": capacity, "soak_rps": rate, "capacity_probes": probes,
