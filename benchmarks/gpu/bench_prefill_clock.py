@@ -170,7 +170,7 @@ def gaps(engine, prompts: int) -> dict:
         wall = engine_prefill(engine, prompts, "prof")
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    busy, idle, last_end, worst = 0.0, [], None, []
+    busy, idle, last_end = 0.0, [], None
     for start, end, name in kernels:
         if last_end is not None and start > last_end:
             idle.append((start - last_end, name))
