@@ -11,5 +11,5 @@ for f in "$out"/flashinfer-jit-cache.tar.xz "$out"/triton-cache.tar.xz; do
   [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt $((16 << 20)) ] && { echo "too large to come back: $f"; rm -f "$f"; }
 done
 ls -la "$out"/*cache.tar* 2>/dev/null
-du -sh ~/.cache/flashinfer ~/.triton/cache 2>/dev/null
-du -sh ~/.nv/ComputeCache ~/.cache/* /tmp/torchinductor_* 2>/dev/null
+# Every cache a first engine process may fill, for the hunt in NOTES.md ("first engine start").
+du -sh ~/.triton/cache ~/.cache/* ~/.nv/ComputeCache /tmp/torchinductor_* 2>/dev/null

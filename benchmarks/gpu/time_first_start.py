@@ -19,14 +19,14 @@ import time
 from pathlib import Path
 
 T0 = time.perf_counter()
-STAGES: list[tuple[str, float]] = []
+STAGES: list[tuple[str, float]] = []   # (stage, seconds since the stage before it ended)
 
 
-def stage(name: str, since: list[float] = [T0]) -> None:  # noqa: B006 - one running clock
+def stage(name: str) -> None:
     now = time.perf_counter()
-    STAGES.append((name, now - since[0]))
-    print(f"{now - T0:8.1f}s  {name}: {now - since[0]:.2f}s", flush=True)
-    since[0] = now
+    took = now - T0 - sum(s for _, s in STAGES)
+    STAGES.append((name, took))
+    print(f"{now - T0:8.1f}s  {name}: {took:.2f}s", flush=True)
 
 
 def main() -> None:
