@@ -6,6 +6,7 @@ embeds, so a fresh machine with only the Python packages can still run it.
 
 from __future__ import annotations
 
+import random
 import shutil
 import signal
 import socket
@@ -14,8 +15,39 @@ import time
 from pathlib import Path
 
 
+# Its own source of randomness: a test that seeds the global `random` must not make
+# two processes choose the same ports.
+_port_choice = random.SystemRandom()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port that is free now, chosen outside the kernel's ephemeral range.
+
+    A port the kernel hands out for bind(0) lies in the ephemeral range, from which
+    every outgoing connection also takes its local port: between this call and the
+    server's own bind, a client socket may take it (EADDRINUSE). Outside that range
+    only another listener can, and a random choice makes two callers unlikely to meet.
+    """
+    low, high = _ephemeral_range()
+    spans = [(a, b) for a, b in ((10000, low), (high + 1, 65536)) if b - a >= 1000]
+    for _ in range(200 if spans else 0):
+        a, b = _port_choice.choice(spans)
+        port = _port_choice.randrange(a, b)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room outside the range, or every probe was taken
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

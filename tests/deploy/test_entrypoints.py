@@ -13,7 +13,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,16 +22,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from common.redis_server import free_port
 from tests.deploy.deployfiles import DOCKER, ROOT, as_argv, compose, image_config, service_argv, service_env
 
 ROUTER_DF = DOCKER / "router.Dockerfile"
 REPLICA_CPU_DF = DOCKER / "replica-cpu.Dockerfile"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _host_argv(argv: list[str], models: Path) -> list[str]:
@@ -130,7 +124,7 @@ def test_compose_health_checks_match_the_router_image(services):
 
 
 def test_probe_reports_no_answer_without_a_server():
-    done = _probe(_free_port())
+    done = _probe(free_port())
     assert done.returncode == 2, done
 
 
@@ -138,7 +132,7 @@ def test_router_and_cpu_replica_as_deployed(services, models, redis_url):
     """router-cpu and replica-cpu from the compose `cpu` profile: health SERVING,
     the replica registers with the shared token, a request streams, SIGTERM
     drains the replica and stops the router, both exiting 0."""
-    grpc_port, metrics_port = _free_port(), _free_port()
+    grpc_port, metrics_port = free_port(), free_port()
     router_svc, replica_svc = services["router-cpu"], services["replica-cpu"]
     assert router_svc["environment"]["QUADRIGA_REDIS_URL"].startswith("redis://")
     router = subprocess.Popen(
@@ -147,7 +141,7 @@ def test_router_and_cpu_replica_as_deployed(services, models, redis_url):
         env=_host_env(service_env(router_svc, ROUTER_DF), models, {
             "QUADRIGA_ROUTER_PORT": str(grpc_port),
             "QUADRIGA_ROUTER_METRICS_PORT": str(metrics_port),
-            "QUADRIGA_ROUTER_HTTP_PORT": str(_free_port()),   # 8000 may be taken on this host
+            "QUADRIGA_ROUTER_HTTP_PORT": str(free_port()),   # 8000 may be taken on this host
             "QUADRIGA_REDIS_URL": redis_url,
             "QUADRIGA_ROUTER_HOST": "127.0.0.1",
         }))
@@ -190,14 +184,14 @@ def test_replica_with_a_wrong_token_is_refused(services, models, redis_url):
     """The router refuses a replica whose token differs, and no log shows the token.
     The replica should then exit non-zero (no retry can fix it) so that the
     orchestrator reports it, instead of reconnecting forever."""
-    grpc_port, metrics_port = _free_port(), _free_port()
+    grpc_port, metrics_port = free_port(), free_port()
     router_svc, replica_svc = services["router-cpu"], services["replica-cpu"]
     router = subprocess.Popen(
         _host_argv(service_argv(router_svc, ROUTER_DF), models), cwd=ROOT, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         env=_host_env(service_env(router_svc, ROUTER_DF), models, {
             "QUADRIGA_ROUTER_PORT": str(grpc_port), "QUADRIGA_ROUTER_METRICS_PORT": str(metrics_port),
-            "QUADRIGA_ROUTER_HTTP_PORT": str(_free_port()),
+            "QUADRIGA_ROUTER_HTTP_PORT": str(free_port()),
             "QUADRIGA_REDIS_URL": redis_url, "QUADRIGA_ROUTER_HOST": "127.0.0.1"}))
     replica = None
     try:
@@ -252,7 +246,7 @@ def test_compose_redis_command_and_health_check(tmp_path, password):
     svc = compose({"REPLICA_TOKEN": "x", "REDIS_PASSWORD": password})["services"]["redis"]
     argv = as_argv(svc["command"])
     assert argv[:2] == ["sh", "-c"]
-    port = _free_port()
+    port = free_port()
     script = (argv[2].replace("redis-server", server_bin, 1).replace("/data", str(tmp_path))
               + f" --port {port} --bind 127.0.0.1")
     env = {**os.environ, **{k: str(v) for k, v in svc["environment"].items()}}

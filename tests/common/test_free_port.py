@@ -1,0 +1,24 @@
+"""free_port chooses outside the ephemeral range, where client sockets cannot take it."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+from common.redis_server import _ephemeral_range, free_port
+
+
+def test_free_ports_lie_outside_the_ephemeral_range_and_can_be_bound():
+    low, high = _ephemeral_range()
+    for _ in range(50):
+        port = free_port()
+        assert not low <= port <= high
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_seeding_the_global_random_does_not_fix_the_choice():
+    random.seed(7)
+    first = [free_port() for _ in range(5)]
+    random.seed(7)
+    assert [free_port() for _ in range(5)] != first
