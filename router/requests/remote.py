@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+from router.persistence.store import record_from_flat
 from router.requests.record import (RecordedDelta, finish_from_record, merge_output,
                                     state_from_record, take_output, take_timings)
 from router.requests.request import CANCELLED, Phase, RequestState
@@ -79,11 +80,15 @@ class CrossRouter:
 
     def read_back_silent(self, now: float, silence: float) -> None:
         """REMOTE requests this router fronts that had no news for `silence`
-        seconds (monotonic `now`) are read back from Redis (on_reload): their
-        back router may have stopped running them without a word (it found
-        their record gone, lua.STEP's 3) or its events may be lost. Each is read
-        at most once a `silence`; a record gone fails it with a message
-        (refresh), one that moved on is taken in as any reload."""
+        seconds (monotonic `now`) are read back from Redis: their back router
+        may have stopped running them without a word (it found their record
+        gone, lua.STEP's 3), its events may be lost, or the record may no
+        longer name this router a front (Redis lost it and the router running
+        it stored it again, lua.RESTORE, naming only itself). So the read is
+        an ATTACH, which reads the record and makes this router a front in one
+        step: the deltas after it reach this router again. Each is read at most
+        once a `silence`; a record gone fails it with a message (refresh), one
+        that moved on is taken in as any reload."""
         for req in self.requests.values():
             if req.phase is not Phase.REMOTE or not (req.front or req.subscribers):
                 continue
@@ -91,7 +96,13 @@ class CrossRouter:
                 req.heard_at = now
             elif now - req.heard_at >= silence:
                 req.heard_at = now
-                self.on_reload(req.id)
+                self._read_back_as_front(req)
+
+    def _read_back_as_front(self, req: RequestState) -> None:
+        rid = req.id
+        req.front = True
+        self.writer.post(self.store.attach(rid, req.digest)).on_done = (
+            lambda flat: self.refresh(rid, record_from_flat(rid, flat)))
 
     # ---- events ----
     def run_moved(self, rid: str, assignments: int) -> None:

@@ -396,3 +396,48 @@ def test_a_request_whose_record_redis_lost_while_another_router_ran_it_fails_at_
             await reps.close()
 
     arun(scenario())
+
+
+def test_a_front_left_out_of_a_restored_record_attaches_again_and_streams_on(
+        redis_url, tiny_model, arun):
+    """Router B runs a request for clients on both routers (A submitted it, a
+    second stream re-attached at B). Redis loses its record; B, a front and
+    its back router, stores it again naming only itself a front, so A hears
+    nothing more of it. A, silent for two leases, reads it back with an
+    ATTACH, which names A a front again: the rest of the output reaches A's
+    stream as events, and both streams end with the exact output."""
+
+    async def scenario():
+        async with two_routers(redis_url, tiny_model, lease_ttl=1.0) as (a, b):
+            vocab, reps, _rep = await far_replica(a, b, step_delay=0.02)
+            req = request([3], 300, request_id="kept")
+            record_key = a.store.req_key("kept")
+            r = a.store.redis
+            both = {a.lease.router_id, b.lease.router_id}
+
+            async def fronts() -> set:
+                return set((await r.hget(record_key, "fe") or b"").decode().split())
+
+            async with client(a.address) as stub_a, client(b.address) as stub_b:
+                at_a = asyncio.create_task(collect(stub_a, req, timeout=60))
+                await wait_until(lambda: a.table.get("kept") and len(a.table.get("kept").tokens) >= 5)
+                at_b = asyncio.create_task(collect(stub_b, req, timeout=60))
+                for _ in range(500):   # B's ATTACH names both routers
+                    if await fronts() == both:
+                        break
+                    await asyncio.sleep(0.02)
+                await r.delete(record_key, a.store.out_key("kept"), a.store.txt_key("kept"))
+                restored_alone = False
+                for _ in range(500):   # B's restore names only B, until A attaches again
+                    names = await fronts()
+                    restored_alone |= names == {b.lease.router_id}
+                    if restored_alone and names == both:
+                        break
+                    await asyncio.sleep(0.02)
+                assert restored_alone and await fronts() == both
+                expected = expected_tokens([3], 300, vocab)
+                assert tokens_of(await at_b) == expected
+                assert tokens_of(await at_a) == expected
+            await reps.close()
+
+    arun(scenario())
