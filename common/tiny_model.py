@@ -13,6 +13,8 @@ import json
 import random
 from pathlib import Path
 
+from common.build_once import build_once
+
 ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2")
 
 # Words with multi-byte characters keep the incremental detokenizer honest.
@@ -141,20 +143,23 @@ def build_tiny_model(
     """Writes config, float32 safetensors weights and tokenizer to out_dir.
 
     Skips the work when out_dir already holds a model built from the same
-    arguments (a stamp file records them).
+    arguments (a stamp file records them). Safe to call from several
+    processes at once (common/build_once.py): stacks started side by side
+    share one cached folder.
     """
-    import torch
-    import transformers as tf
-
-    out = Path(out_dir)
     stamp = json.dumps(
         {"arch": arch, "seed": seed, "vocab": vocab_size, "format": 2, **config_overrides},
         sort_keys=True,
     )
     digest = hashlib.sha256(stamp.encode()).hexdigest()
-    stamp_file = out / "quadriga_tiny_model.stamp"
-    if stamp_file.exists() and stamp_file.read_text() == digest:
-        return out
+    return build_once(Path(out_dir), "quadriga_tiny_model.stamp", digest,
+                      lambda folder: _write_tiny_model(folder, arch, seed, vocab_size, **config_overrides))
+
+
+def _write_tiny_model(out: Path, arch: str, seed: int, vocab_size: int, **config_overrides) -> None:
+    import torch
+    import transformers as tf
+
     config = build_tokenizer_and_config(out, arch, seed, vocab_size, **config_overrides)
     torch.manual_seed(seed)
     model_cls = {
@@ -171,8 +176,6 @@ def build_tiny_model(
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0.0, 0.2)
     model.save_pretrained(str(out), safe_serialization=True)
-    stamp_file.write_text(digest)
-    return out
 
 
 def main() -> None:
