@@ -56,5 +56,5 @@ def _refuse_foreign(out: Path, stamp_name: str) -> None:
 def _make_readable(folder: Path) -> None:
     """mkdtemp makes the folder private; a model cache is shared like any other."""
     folder.chmod(0o755)
-    for path in folder.iterdir():
-        path.chmod(0o644)
+    for path in folder.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
