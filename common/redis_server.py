@@ -28,8 +28,9 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def free_port() -> int:
-    """A loopback port that is free now, chosen outside the kernel's ephemeral range.
+def free_port(count: int = 1) -> int:
+    """A loopback port that is free now (with count > 1: the first of `count`
+    consecutive free ports), chosen outside the kernel's ephemeral range.
 
     A port the kernel hands out for bind(0) lies in the ephemeral range, from which
     every outgoing connection also takes its local port: between this call and the
@@ -37,19 +38,26 @@ def free_port() -> int:
     only another listener can, and a random choice makes two callers unlikely to meet.
     """
     low, high = _ephemeral_range()
-    spans = [(a, b) for a, b in ((10000, low), (high + 1, 65536)) if b - a >= 1000]
+    spans = [(a, b - count) for a, b in ((10000, low), (high + 1, 65536)) if b - count - a >= 1000]
     for _ in range(200 if spans else 0):
         a, b = _port_choice.choice(spans)
-        port = _port_choice.randrange(a, b)
+        base = _port_choice.randrange(a, b + 1)
+        if all(_bindable(base + i) for i in range(count)):
+            return base
+    if count == 1:   # no room outside the range, or every probe was taken
         with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # no room outside the range, or every probe was taken
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    raise RuntimeError(f"no run of {count} free ports found")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def _embedded_binary() -> str | None:

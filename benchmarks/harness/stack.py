@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,31 +15,13 @@ from common.redis_server import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port_run(n: int) -> int:
-    """A port p such that p .. p + n - 1 are all free now (replica metrics ports)."""
-    for _ in range(100):
-        base = free_port()
-        if base + n < 65536 and all(_free(base + i) for i in range(1, n)):
-            return base
-    raise RuntimeError(f"no run of {n} free ports found")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 class Stack:
     def __init__(self, *, replicas: int = 2, policy: str = "pull", model: str | None = None,
                  replica_args: list[str] | None = None, device: str = "cpu", scheduler: str | None = None,
                  extra_args: list[str] | None = None, log_dir: str | None = None, ready_timeout: float = 600,
                  router_args: list[str] | None = None):
         self.port, self.metrics_port = free_port(), free_port()
-        self.replica_metrics_port = free_port_run(replicas)
+        self.replica_metrics_port = free_port(count=replicas)   # replica i: this + i
         self.replicas = replicas
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="quadriga-bench-stack-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -22,3 +22,13 @@ def test_seeding_the_global_random_does_not_fix_the_choice():
     first = [free_port() for _ in range(5)]
     random.seed(7)
     assert [free_port() for _ in range(5)] != first
+
+
+def test_a_run_of_ports_lies_wholly_outside_the_ephemeral_range_and_is_free():
+    low, high = _ephemeral_range()
+    for _ in range(50):
+        base = free_port(count=8)
+        for port in range(base, base + 8):
+            assert not low <= port <= high
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
