@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu/hunt_first_start.sh $OUT/hunt
 # Writes OUT/env.txt (the cache settings in force), first.json/.txt, newer_files.tsv
 # (bytes, path; largest first), newer_by_folder.txt (the same summed by folder, three
-# levels deep), second.json/.txt and OUT/mounts.txt.
+# levels deep), second.json/.txt, OUT/mounts.txt and first_stacks.txt (every thread's
+# stack every 5 s of the first run: where its time goes).
 set -uo pipefail
 out=$(mkdir -p "${1:?give OUT}" && cd "$1" && pwd)
 here=$(pwd)
@@ -15,7 +16,7 @@ env | grep -E '^(CUDA|TRITON|TORCH|FLASHINFER|TVM|XDG|HOME|PYTHON|NV|LD_)' | sor
 findmnt -rn -o TARGET,FSTYPE >"$out/mounts.txt" 2>/dev/null || cat /proc/mounts >"$out/mounts.txt"
 marker=$(mktemp /tmp/hunt-marker.XXXXXX)
 sleep 1   # file times have a one-second grain on some filesystems
-python3 benchmarks/gpu/time_first_start.py --out "$out/first.json" >"$out/first.txt" 2>&1 \
+python3 benchmarks/gpu/time_first_start.py --out "$out/first.json" --stacks "$out/first_stacks.txt" >"$out/first.txt" 2>&1 \
   || echo "the first run failed (see first.txt)"
 # Every real filesystem, each walked on its own device (-xdev), its pseudo ones left out.
 mapfile -t roots < <(awk '$2 !~ /^(proc|sysfs|devtmpfs|devpts|cgroup2?|mqueue|debugfs|tracefs|securityfs|pstore|bpf|autofs|configfs|fusectl|hugetlbfs|binfmt_misc|nsfs)$/ {print $1}' \

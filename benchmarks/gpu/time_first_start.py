@@ -10,6 +10,7 @@ see what a warm cache saves. Usage on the device:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import random
@@ -32,7 +33,13 @@ def stage(name: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--stacks", help="dump every thread's stack into this file every --stack-every "
+                    "seconds: where a slow stage spends its time")
+    ap.add_argument("--stack-every", type=float, default=5.0)
     args = ap.parse_args()
+    if args.stacks:
+        stacks_file = open(args.stacks, "w")   # kept open for the process's life
+        faulthandler.dump_traceback_later(args.stack_every, repeat=True, file=stacks_file)
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)9.0fms %(name)s: %(message)s")
     import torch
     stage("import torch")
@@ -70,6 +77,7 @@ def main() -> None:
     result = {"stages_s": dict(STAGES), "startup_phases_s": engine.runner.startup_seconds,
               "total_s": time.perf_counter() - T0, "gpu": torch.cuda.get_device_name(),
               "command": be.RESULTS["command"], "commit": be.RESULTS["commit"]}
+    faulthandler.cancel_dump_traceback_later()
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result["startup_phases_s"]))
 
