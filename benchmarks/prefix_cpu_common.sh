@@ -8,6 +8,10 @@ stack_args=(--start-stack --replicas 2 --model "$MODEL" --replica-arg=--load-for
             --replica-arg=--max-num-seqs --replica-arg=8 --replica-arg=--chunk-size --replica-arg=256
             --output-dist fixed --tbt-slo 0.25 --ttft-p99-slo 2 --warmup 4 --hardware none --no-progress
             --out-dir benchmarks/results/tmp/prefix_cpu)
+# STACK_EXTRA: more harness arguments, e.g. the replicas' torch threads on a bigger host
+# ("--replica-arg=--threads --replica-arg=2").
+read -r -a stack_extra <<<"${STACK_EXTRA:-}"
+stack_args+=("${stack_extra[@]}")
 # Probe sizes are set so a probe lasts seconds at the capacities of the current
 # engine (near 100 req/s here; 128 requests a probe last about 1.3 s).
 # 8 groups x 768-token system prompt (384 blocks), 64 questions each: 512 requests.
