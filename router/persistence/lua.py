@@ -370,34 +370,42 @@ STEP_FULL_ARGS = 17    # a full delta's fields, after its 'f'
 STEP_HOLE = 2          # its reply for a delta that starts past the recorded output
 STEP_NO_RECORD = 3     # its reply for a delta of a request Redis holds no record of
 
-# Stores again the record of a request this router runs and fronts, which
-# Redis lost (a restart from an AOF fsynced once a second, a failover to a
-# lagging replica dropped the writes that stored and leased it): the
-# submit's fields, leased to the caller's replica under its assignment
-# count, in the inflight and live sets; its output follows in a full-form
-# STEP. A request that has a record is left as it is. Its queue member is
-# made anew from its arrival (a requeue puts it back in arrival order).
+# Stores again the record of a request this router runs, which Redis lost (a
+# restart from an AOF fsynced once a second, a failover to a lagging replica
+# dropped the writes that stored and leased it): the submit's fields, leased
+# to the caller's replica under its assignment count, in the inflight and
+# live sets; its output follows in a full-form STEP. A request that has a
+# record is left as it is; one whose record ABANDON removed (its tombstone
+# holds this submit token) is not stored again. The caller is named a front
+# only if it is one; fronts left out (another router's clients) read the
+# record back when they hear nothing of it (requests/remote.py) and are named
+# again. Its queue member is made anew from its arrival (a requeue puts it
+# back in arrival order).
 # ARGV: prefix, then RESTORE_ITEM_ARGS per request: id, submit token,
 #   digest, spec json, packed prompt ids, prompt length, max tokens,
 #   priority, arrival, arrival (us), stream interval, replica, assignment
-#   count, requeues, lease expiry.
-# -> 1 per request: 1 stored, 0 it had a record.
+#   count, requeues, lease expiry, front (1: name the caller a front).
+# -> 1 per request: 1 stored, 0 it had a record, 2 abandoned.
 RESTORE = fenced("""
 local prefix = ARGV[1]
 local out = {}
-for i = 2, #ARGV, 15 do
+for i = 2, #ARGV, 16 do
   local id = ARGV[i]
   local h = prefix .. 'req:' .. id
   if redis.call('EXISTS', h) == 1 then
     out[#out + 1] = 0
+  elseif redis.call('GET', prefix .. 'ab:' .. id) == ARGV[i + 1] then
+    out[#out + 1] = 2
   else
+    local fronts = ''
+    if ARGV[i + 15] == '1' then fronts = router_ end
     local seq = redis.call('INCR', prefix .. 'seq')
     local member = string.format('%016d%012d:', tonumber(ARGV[i + 9]), seq) .. id
     redis.call('HSET', h, 'tok', ARGV[i + 1], 'd', ARGV[i + 2], 'sp', ARGV[i + 3],
       'p', ARGV[i + 4], 'pl', ARGV[i + 5], 'mt', ARGV[i + 6], 'pr', ARGV[i + 7],
       'at', ARGV[i + 8], 'si', ARGV[i + 10], 'q', '', 'm', member, 'seq', seq,
       'st', 'r', 'o', ARGV[i + 11], 'n', ARGV[i + 12], 'rq', ARGV[i + 13],
-      'fe', router_, 'br', router_, 'sat', now_, 'asg', now_, 'pat', now_,
+      'fe', fronts, 'br', router_, 'sat', now_, 'asg', now_, 'pat', now_,
       'ao', redis.call('INCR', prefix .. 'ao'))
     redis.call('ZADD', prefix .. 'inflight', ARGV[i + 14], id)
     redis.call('SADD', prefix .. 'live', id)
@@ -406,7 +414,7 @@ for i = 2, #ARGV, 15 do
 end
 return out
 """)
-RESTORE_ITEM_ARGS = 15
+RESTORE_ITEM_ARGS = 16
 
 # Ends requests that did not finish through a step (cancel, errors, requeue
 # limit), queued or running; a finished one is left as it is. A request
@@ -444,16 +452,19 @@ return 1
 # Removes a request whose submit timed out at the router (its client was told
 # UNAVAILABLE), if it is still the one that submit stored, so a retry with the
 # same request_id starts it afresh. A pop may have taken it meanwhile; a
-# replica of another router that was sent it is cancelled ('c').
-# ARGV: prefix, then 2 per request: id, submit token.
+# replica of another router that was sent it is cancelled ('c'), and a
+# tombstone holding the submit token (for the result TTL) tells that router's
+# RESTORE the record was removed on purpose, not lost.
+# ARGV: prefix, ttl seconds, then 2 per request: id, submit token.
 ABANDON = fenced("""
-local prefix = ARGV[1]
-for i = 2, #ARGV, 2 do
+local prefix, ttl = ARGV[1], tonumber(ARGV[2])
+for i = 3, #ARGV, 2 do
   local id = ARGV[i]
   local h = prefix .. 'req:' .. id
   local st, tok, q, m, br = unpack(redis.call('HMGET', h, 'st', 'tok', 'q', 'm', 'br'))
   if st and st ~= 'f' and tok == ARGV[i + 1] then
     if st == 'q' then redis.call('ZREM', prefix .. 'q:' .. q, m) end
+    if st == 'r' then redis.call('SET', prefix .. 'ab:' .. id, tok, 'EX', ttl) end
     if st == 'r' and br and br ~= router_ and live_(br) then emit_(br, 'k', 'c', 'id', id) end
     redis.call('ZREM', prefix .. 'inflight', id)
     redis.call('DEL', h, prefix .. 'out:' .. id, prefix .. 'txt:' .. id, prefix .. 'lp:' .. id)

@@ -181,13 +181,15 @@ class Store:
 
     def restore(self, rid: str, token: str, digest: str, spec_json: str, prompt_ids,
                 max_tokens: int, priority: int, arrival: float, stream_interval: int,
-                replica: str, assignments: int, requeues: int, lease_expiry: float) -> Write:
-        """Stores again a running request whose record Redis lost (lua.RESTORE).
-        Reply: 1 stored, 0 it had a record."""
+                replica: str, assignments: int, requeues: int, lease_expiry: float, *,
+                front: bool) -> Write:
+        """Stores again a running request whose record Redis lost (lua.RESTORE),
+        naming this router a front if it is one. Reply: 1 stored, 0 it had a
+        record, 2 abandoned (ABANDON's tombstone holds this submit token)."""
         return Write(self._restore, (self.prefix,),
                      (rid, token, digest, spec_json, pack_tokens(prompt_ids), len(prompt_ids),
                       max_tokens, priority, repr(arrival), int(arrival * 1e6), stream_interval,
-                      replica, assignments, requeues, repr(lease_expiry)),
+                      replica, assignments, requeues, repr(lease_expiry), 1 if front else 0),
                      reply_arity=1, item_args=lua.RESTORE_ITEM_ARGS)
 
     def pop(self, queue: str, replica: str, max_requests: int, max_prompt_tokens: int | None,
@@ -262,7 +264,8 @@ class Store:
         return Write(self._finish, (self.prefix, self.ttl), items, item_args=len(items))
 
     def abandon(self, rid: str, token: str) -> Write:
-        return Write(self._abandon, (self.prefix,), (rid, token), item_args=lua.ABANDON_ITEM_ARGS)
+        return Write(self._abandon, (self.prefix, self.ttl), (rid, token),
+                     item_args=lua.ABANDON_ITEM_ARGS)
 
     def _lease_write(self, leases: dict[str, float], mode: str) -> Write:
         items = []

@@ -391,14 +391,23 @@ class RequestTable(CrossRouter):
 
     def _restorable(self, req: RequestState, replica_id: str, finished: bool) -> bool:
         """Whether this router may store again the record of a request Redis has
-        none of: one it fronts and still holds, that ran here on this replica
-        (or finished with this delta); not one it withdrew or that ended here
-        otherwise meanwhile (cancelled, failed), nor one another router runs
-        (its record may have been removed on purpose, lua.ABANDON)."""
-        if not req.front or self.requests.get(req.id) is not req or req.id in self._withdrawing:
+        none of: one it still holds that ran here on this replica (or finished
+        with this delta), whether it fronts it or runs it for another router's
+        client; not one it withdrew or that ended here otherwise meanwhile
+        (cancelled, failed). One another router removed on purpose (lua.ABANDON)
+        is refused by RESTORE itself, by its tombstone."""
+        if self.requests.get(req.id) is not req or req.id in self._withdrawing:
             return False
         return finished or (req.phase in (Phase.RUNNING, Phase.DETACHED)
                             and req.owner == replica_id and not req.finished)
+
+    def _restored(self, reply) -> None:
+        """RESTORE's answer: counted and logged only where the record was lost,
+        not where another router removed it on purpose (lua.ABANDON)."""
+        if int(reply[0]) == 1:
+            log.warning("Redis lost the record of a running request (a restart or failover that "
+                        "dropped acknowledged writes): stored it again from memory")
+            self.metrics.lost_writes.labels("record").inc()
 
     def _rewrite_output(self, holes: list, lost: list, replica_id: str,
                         on_durable: Callable[[], None]) -> None:
@@ -407,24 +416,21 @@ class RequestTable(CrossRouter):
         a request's output (holes) or no record of it at all (lost). A lost
         record is stored again from memory (lua.RESTORE); then each request's
         output up to the refused delta is written again whole, from memory, in
-        the full form. The replica's Ack waits for it."""
+        the full form (a record RESTORE refused as abandoned stays gone, and that
+        delta is dropped). The replica's Ack waits for it."""
         if holes:
             log.warning("Redis lost recorded output of %d request(s) (a restart or failover "
                         "that dropped acknowledged writes): writing it again from memory",
                         len(holes))
             self.metrics.lost_writes.labels("output").inc(len(holes))
-        if lost:
-            log.warning("Redis lost the record of %d running request(s) (a restart or failover "
-                        "that dropped acknowledged writes): storing it again from memory",
-                        len(lost))
-            self.metrics.lost_writes.labels("record").inc(len(lost))
-            expiry = time.time() + self.lease_ttl
-            for req, *_ in lost:
-                spec = req.spec
-                self.writer.post(self.store.restore(
-                    req.id, req.submit_token, req.digest, spec.sampling.set_fields_json,
-                    req.prompt_ids, req.max_tokens, spec.priority, req.arrival,
-                    spec.stream_interval, replica_id, req.assignments, req.requeues, expiry))
+        expiry = time.time() + self.lease_ttl
+        for req, *_ in lost:
+            spec = req.spec
+            self.writer.post(self.store.restore(
+                req.id, req.submit_token, req.digest, spec.sampling.set_fields_json,
+                req.prompt_ids, req.max_tokens, spec.priority, req.arrival,
+                spec.stream_interval, replica_id, req.assignments, req.requeues, expiry,
+                front=req.front)).on_done = self._restored
         marks = holes + lost
 
         def durable(reply) -> None:

@@ -141,6 +141,40 @@ async def routers_a_and_b(redis_url, prefix):
         yield store, a, b
 
 
+def test_restore_refuses_a_record_abandon_removed_and_names_only_a_front(redis_url, arun):
+    """Router A's ABANDON of a request running on router B's replica leaves a
+    tombstone with its submit token: B's RESTORE of that submit is refused (2:
+    removed on purpose, not lost), while a later submit of the same id (another
+    token) whose record Redis lost is stored again. B, not a front, is not
+    named one; as a front it is."""
+
+    async def scenario():
+        async with routers_a_and_b(redis_url, "tomb:") as (store, a, b):
+            r = store.redis
+
+            def restore(token: str, front: bool):
+                return store.restore("x", token, "d", "{}", [1, 1], 4, 0, 1000.5, 1, "rep", 1, 0,
+                                     2e9, front=front)
+
+            await a.call(submit(store, "x", 2, token="t1", arrival=1000.5))
+            assert await pop(b, store, 5, None, "p1") == ["x"]
+            await a.call(store.abandon("x", "t1"))
+            assert not await r.exists("tomb:req:x") and await r.ttl("tomb:ab:x") > 0
+            assert await b.call(restore("t1", front=False)) == [2]
+            assert not await r.exists("tomb:req:x")
+
+            await a.call(submit(store, "x", 2, token="t2", arrival=1000.5))
+            assert await pop(b, store, 5, None, "p2") == ["x"]
+            await r.delete("tomb:req:x")
+            assert await b.call(restore("t2", front=False)) == [1]
+            assert await r.hmget("tomb:req:x", "st", "tok", "fe", "br") == [b"r", b"t2", b"", b"B"]
+            await r.delete("tomb:req:x")
+            assert await b.call(restore("t2", front=True)) == [1]
+            assert await r.hmget("tomb:req:x", "fe", "br") == [b"B", b"B"]
+
+    arun(scenario())
+
+
 def test_a_router_whose_lease_lapsed_or_epoch_moved_on_is_fenced(redis_url, arun):
     """FENCE: a router writes only while its lease is live and its epoch is the
     one registered last for its id; its fence key never outlives the lease the
@@ -375,10 +409,11 @@ def test_a_step_of_a_request_with_no_record_says_so_and_restore_stores_it_once(r
             plain = [("a", 0, pack_tokens([5]), 0, b"h", 1)]
             assert await writer.call(store.step(plain)) == [3]
 
-            restore = store.restore("a", "ta", "d", "{}", [1, 1], 4, 0, 1000.5, 1, "rep", 1, 0, 2e9)
+            restore = store.restore("a", "ta", "d", "{}", [1, 1], 4, 0, 1000.5, 1, "rep", 1, 0, 2e9,
+                                    front=True)
             assert await writer.call(restore) == [1]
             assert await writer.call(store.restore("a", "ta", "d", "{}", [1, 1], 4, 0, 1000.5, 1,
-                                                   "rep", 1, 0, 2e9)) == [0]
+                                                   "rep", 1, 0, 2e9, front=True)) == [0]
             assert await r.hmget("restore:req:a", "st", "o", "n", "tok", "pl", "q") == [
                 b"r", b"rep", b"1", b"ta", b"2", b""]
             assert await r.zscore("restore:inflight", "a") == 2e9
@@ -391,7 +426,7 @@ def test_a_step_of_a_request_with_no_record_says_so_and_restore_stores_it_once(r
             assert await store.live_ids() == [] and await r.zcard("restore:inflight") == 0
             # A request that has a record is left as it is.
             assert await writer.call(store.restore("a", "ta", "d", "{}", [1, 1], 4, 0, 1000.5, 1,
-                                                   "rep", 1, 0, 2e9)) == [0]
+                                                   "rep", 1, 0, 2e9, front=True)) == [0]
             assert await r.hget("restore:req:a", "st") == b"f"
 
     arun(scenario())
