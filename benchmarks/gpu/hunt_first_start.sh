@@ -8,7 +8,8 @@
 # Writes OUT/env.txt (the cache settings in force), first.json/.txt, newer_files.tsv
 # (bytes, path; largest first), newer_by_folder.txt (the same summed by folder, three
 # levels deep), second.json/.txt, OUT/mounts.txt and first_stacks.txt (every thread's
-# stack every 5 s of the first run: where its time goes).
+# stack every 5 s of the first run: where its time goes; first_stacks_summary.txt
+# counts its frames, benchmarks/gpu/stack_summary.py).
 set -uo pipefail
 out=$(mkdir -p "${1:?give OUT}" && cd "$1" && pwd)
 here=$(pwd)
@@ -39,6 +40,8 @@ PY
 head -n 25 "$out/newer_by_folder.txt"
 python3 benchmarks/gpu/time_first_start.py --out "$out/second.json" >"$out/second.txt" 2>&1 \
   || echo "the second run failed (see second.txt)"
+python3 benchmarks/gpu/stack_summary.py "$out/first_stacks.txt" --top 30 >"$out/first_stacks_summary.txt" 2>&1
+head -n 25 "$out/first_stacks_summary.txt"
 for f in first second; do
   printf '%s: ' "$f"; tail -n 1 "$out/$f.txt"
 done
