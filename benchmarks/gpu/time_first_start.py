@@ -13,6 +13,7 @@ import argparse
 import faulthandler
 import json
 import logging
+import os
 import random
 import sys
 import tempfile
@@ -46,6 +47,14 @@ def main() -> None:
     torch.cuda.init()
     torch.zeros(1, device="cuda")
     stage("CUDA context")
+    # Kernels built for the GPU's own arch load as they are; any other arch's PTX is
+    # compiled by the driver on first use, into its cache (CUDA_CACHE_PATH, default
+    # ~/.nv/ComputeCache, at most CUDA_CACHE_MAXSIZE bytes): a first start's suspect.
+    cuda_build = {"torch_arch_list": torch.cuda.get_arch_list(),
+                  "device_capability": list(torch.cuda.get_device_capability()),
+                  "torch_cuda": torch.version.cuda,
+                  "env": {k: v for k, v in os.environ.items() if k.startswith("CUDA_")}}
+    print(json.dumps(cuda_build), flush=True)
     import flashinfer  # noqa: F401
     stage("import flashinfer")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -76,6 +85,7 @@ def main() -> None:
     stage("first sampled request")
     result = {"stages_s": dict(STAGES), "startup_phases_s": engine.runner.startup_seconds,
               "total_s": time.perf_counter() - T0, "gpu": torch.cuda.get_device_name(),
+              "cuda_build": cuda_build,
               "command": be.RESULTS["command"], "commit": be.RESULTS["commit"]}
     faulthandler.cancel_dump_traceback_later()
     Path(args.out).write_text(json.dumps(result, indent=2))
