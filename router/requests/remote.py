@@ -85,11 +85,11 @@ class CrossRouter:
         gone, lua.STEP's 3, and removed on purpose, lua.ABANDON), its events
         may be lost, or the record may no longer name this router a front
         (Redis lost it and the router running it stored it again, lua.RESTORE,
-        naming at most itself). So the read is
-        an ATTACH, which reads the record and makes this router a front in one
-        step: the deltas after it reach this router again. Each is read at most
-        once a `silence`; a record gone fails it with a message (refresh), one
-        that moved on is taken in as any reload."""
+        naming at most itself). So the read is an ATTACH, which reads the record
+        and makes this router a front in one step: the deltas after it reach
+        this router again. Each is read at most once a `silence`; a record gone
+        fails it with a message (refresh), one that moved on is taken in as any
+        reload."""
         for req in self.requests.values():
             if req.phase is not Phase.REMOTE or not (req.front or req.subscribers):
                 continue
