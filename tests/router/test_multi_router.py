@@ -402,11 +402,12 @@ def test_a_request_whose_record_redis_lost_while_another_router_ran_it_is_stored
 
 def test_a_request_its_front_abandoned_is_not_stored_again_by_the_router_running_it(
         redis_url, tiny_model, arun):
-    """Router A abandons (lua.ABANDON, as after a submit that timed out) a
-    request that router B runs: its record is gone as a lost one would be.
-    Whichever reaches B first, the cancel event or its next step's "no record"
-    (then its tombstone makes RESTORE refuse, tests/router/test_lua.py), B
-    stops it on its replica, stores nothing and counts no lost record."""
+    """A request router B runs is abandoned (lua.ABANDON, as its front does
+    after a submit that timed out): its record is gone as a lost one would be.
+    The abandon is run here under B's own fence, so no cancel event reaches B
+    (as when that event is late): B learns of it only from its next step's
+    "no record", and the tombstone makes its RESTORE refuse. B stops it on its
+    replica, stores nothing and counts no lost record."""
 
     async def scenario():
         async with two_routers(redis_url, tiny_model) as (a, b):
@@ -415,7 +416,7 @@ def test_a_request_its_front_abandoned_is_not_stored_again_by_the_router_running
                 task = asyncio.create_task(collect(stub, request([3], 400, request_id="x"),
                                                    timeout=60))
                 await wait_until(lambda: a.table.get("x") and len(a.table.get("x").tokens) >= 5)
-                await a.writer.call(a.store.abandon("x", a.table.get("x").submit_token))
+                await b.writer.call(b.store.abandon("x", a.table.get("x").submit_token))
                 await wait_until(lambda: "x" in rep.rec.cancels)
                 await wait_until(lambda: "x" not in b.table.requests)
                 await asyncio.sleep(0.3)   # a step that was in flight has been answered
