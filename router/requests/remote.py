@@ -80,10 +80,9 @@ class CrossRouter:
 
     def read_back_silent(self, now: float, silence: float) -> None:
         """REMOTE requests this router fronts that had no news for `silence`
-        seconds (monotonic `now`) are read back from Redis: their back router
-        may have stopped running them without a word (it found their record
-        gone, lua.STEP's 3, and removed on purpose, lua.ABANDON), its events
-        may be lost, or the record may no longer name this router a front
+        seconds (monotonic `now`) are read back from Redis: their events may be
+        lost, their record may be gone (Redis lost it with no router running
+        it to store it again), or it may no longer name this router a front
         (Redis lost it and the router running it stored it again, lua.RESTORE,
         naming at most itself). So the read is an ATTACH, which reads the record
         and makes this router a front in one step: the deltas after it reach
