@@ -3,7 +3,7 @@ time_first_start.py --stacks (faulthandler's format): for the thread that ran
 the engine (the main thread), how many dumps each frame was
 on the stack in, and the innermost frames most seen. Each dump is one sample
 of --stack-every seconds. Usage:
-  python3 benchmarks/gpu/stack_summary.py OUT/hunt/first_stacks.txt [--top 25]
+  python3 benchmarks/gpu/stack_summary.py OUT/warm/stacks.txt [--top 25]
 """
 
 from __future__ import annotations
