@@ -6,11 +6,14 @@ embeds, so a fresh machine with only the Python packages can still run it.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import random
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,25 +33,57 @@ def _ephemeral_range() -> tuple[int, int]:
 
 def free_port(count: int = 1) -> int:
     """A loopback port that is free now (with count > 1: the first of `count`
-    consecutive free ports), chosen outside the kernel's ephemeral range.
+    consecutive free ports), chosen outside the kernel's ephemeral range, and
+    reserved for a while against every other caller on this machine.
 
     A port the kernel hands out for bind(0) lies in the ephemeral range, from which
     every outgoing connection also takes its local port: between this call and the
     server's own bind, a client socket may take it (EADDRINUSE). Outside that range
-    only another listener can, and a random choice makes two callers unlikely to meet.
+    only another listener can: another caller of this function, in this process or
+    another (a second test worker), that found the same port still unbound because
+    the first server had not bound it yet (a replica binds its metrics port only
+    after loading its model). The reservation (reserve_ports) closes that window.
     """
     low, high = _ephemeral_range()
     spans = [(a, b - count) for a, b in ((10000, low), (high + 1, 65536)) if b - count - a >= 1000]
+    weights = [b - a for a, b in spans]   # uniform over every port, not per span
     for _ in range(200 if spans else 0):
-        a, b = _port_choice.choice(spans)
+        a, b = _port_choice.choices(spans, weights)[0]
         base = _port_choice.randrange(a, b + 1)
-        if all(_bindable(base + i) for i in range(count)):
+        if all(_bindable(base + i) for i in range(count)) and reserve_ports(base, count):
             return base
     if count == 1:   # no room outside the range, or every probe was taken
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
     raise RuntimeError(f"no run of {count} free ports found")
+
+
+# A chosen port stays reserved this long: long enough for the slowest server
+# start in the suite (a replica loading a model) to bind it.
+RESERVATION_S = 600.0
+_RESERVATIONS = Path(tempfile.gettempdir()) / f"quadriga-ports-{os.getuid()}"
+
+
+def reserve_ports(base: int, count: int = 1) -> bool:
+    """Reserves base..base+count-1 for RESERVATION_S against every caller on this
+    machine (a file a port, its time the reservation's, so at most one file for
+    each port ever chosen; one lock file makes the check and the taking one step). False, taking nothing, if any of them is
+    reserved already."""
+    _RESERVATIONS.mkdir(exist_ok=True)
+    paths = [_RESERVATIONS / str(port) for port in range(base, base + count)]
+    with open(_RESERVATIONS / "lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        now = time.time()
+        for path in paths:
+            try:
+                if now - path.stat().st_mtime < RESERVATION_S:
+                    return False
+            except FileNotFoundError:
+                pass
+        for path in paths:
+            path.touch()
+    return True
 
 
 def _bindable(port: int) -> bool:

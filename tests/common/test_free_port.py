@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 import socket
 
-from common.redis_server import _ephemeral_range, free_port
+from common import redis_server
+from common.redis_server import _ephemeral_range, free_port, reserve_ports
 
 
 def test_free_ports_lie_outside_the_ephemeral_range_and_can_be_bound():
@@ -36,3 +37,19 @@ def test_a_run_of_ports_lies_wholly_outside_the_ephemeral_range_and_is_free():
             assert not low <= port <= high
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port))
+
+
+def test_a_chosen_port_is_not_chosen_again_while_reserved_even_if_still_unbound():
+    """Two callers (two test workers) that choose before either server binds must
+    not meet: the chosen port stays reserved, bound or not."""
+    base = free_port(count=4)
+    assert not reserve_ports(base + 2)   # still unbound, but reserved
+    chosen = {free_port() for _ in range(300)}
+    assert chosen.isdisjoint(range(base, base + 4))
+
+
+def test_a_reservation_lapses_after_its_time(monkeypatch):
+    port = free_port()
+    assert not reserve_ports(port)
+    monkeypatch.setattr(redis_server, "RESERVATION_S", 0.0)
+    assert reserve_ports(port)
