@@ -9,7 +9,11 @@ per engine iteration up, each one msgpack message (engine_wire.py).
 Lifetimes are tied both ways:
 - the engine process ignores SIGINT and SIGTERM (a drain is the worker's
   to run) and ends when the worker says Stop or its pipe closes, which is
-  how it notices a worker that was killed;
+  how it notices a worker that was killed; while it builds its engine (tens
+  of seconds on a GPU) it reads no pipe, so a watchdog ends it once its
+  worker is gone (it is re-parented): a worker killed during its start must
+  not leave an orphan holding the accelerator's memory that its restarted
+  self needs;
 - a worker whose engine process died (an accelerator error ends it with
   DEVICE_FAILED_EXIT) exits with the same status, so the router requeues
   the replica's work elsewhere, as it does for any replica that dies.
@@ -22,6 +26,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from typing import Callable
 
 from replica_worker.engine.config import EngineConfig
@@ -33,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _START_POLL_S = 0.5
 _STOP_TIMEOUT_S = 10.0
+_ORPHAN_POLL_S = 0.5
 
 
 class EngineProcess:
@@ -148,6 +154,8 @@ def _engine_main(config: EngineConfig, conn, threads: int, tokenizer_eos) -> Non
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    threading.Thread(target=_end_when_orphaned, args=(os.getppid(),), name="orphan-watch",
+                     daemon=True).start()
     if threads:
         import torch
 
@@ -158,7 +166,12 @@ def _engine_main(config: EngineConfig, conn, threads: int, tokenizer_eos) -> Non
     if tokenizer_eos is not None:  # the tokenizer's EOS ends requests too, as in-process
         engine.eos_token_ids = engine.eos_token_ids | set(
             tokenizer_eos if isinstance(tokenizer_eos, list) else [tokenizer_eos])
-    conn.send_bytes(engine_wire.encode_info(engine_wire.EngineInfo.of(engine)))
+    try:
+        conn.send_bytes(engine_wire.encode_info(engine_wire.EngineInfo.of(engine)))
+    except OSError:
+        log.warning("the worker went away while the engine was being built; the engine process ends")
+        engine.shutdown()
+        return
     send_lock = threading.Lock()
 
     def send_report(report: EngineReport) -> None:
@@ -184,3 +197,14 @@ def _engine_main(config: EngineConfig, conn, threads: int, tokenizer_eos) -> Non
     finally:
         loop.stop()
         engine.shutdown()
+
+
+def _end_when_orphaned(worker_pid: int) -> None:
+    """Ends this process once its worker has died (it is then re-parented,
+    so its parent is no longer the worker). Polls: a pipe would tell only
+    while it is being read, and during the build nothing reads it."""
+    while os.getppid() == worker_pid:
+        time.sleep(_ORPHAN_POLL_S)
+    log.warning("the worker (process %d) is gone; the engine process ends", worker_pid)
+    logging.shutdown()
+    os._exit(0)

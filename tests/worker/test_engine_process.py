@@ -87,6 +87,58 @@ def test_the_engine_process_ends_when_its_worker_is_gone(tiny_model):
     assert engine._process.exitcode == 0
 
 
+
+# A worker that starts its engine process and says its pid at once (the engine then
+# still builds its model), then waits to be killed.
+_WORKER_KILLED_AT_START = """
+import multiprocessing, sys, threading, time
+from replica_worker.engine.config import CacheConfig, EngineConfig, ModelConfig
+from replica_worker.worker.engine_process import EngineProcess
+
+def say_engine_pid():
+    while not multiprocessing.active_children():
+        time.sleep(0.005)
+    print(multiprocessing.active_children()[0].pid, flush=True)
+
+threading.Thread(target=say_engine_pid, daemon=True).start()
+EngineProcess(EngineConfig(ModelConfig(sys.argv[1]), CacheConfig(num_blocks=64)), threads=1)
+time.sleep(120)
+"""
+
+
+def test_a_worker_killed_while_its_engine_builds_leaves_no_engine_process_behind(tiny_model):
+    """SIGKILL of a worker during its start (a rollout, a fault): its engine process,
+    which reads no pipe while it builds, ends by itself soon after and logs no
+    traceback (it used to finish its build, then die writing to the dead pipe)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    worker = subprocess.Popen([sys.executable, "-c", _WORKER_KILLED_AT_START, str(tiny_model)], cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        engine_pid = int(worker.stdout.readline())
+        worker.kill()
+        worker.wait(10)
+
+        def gone() -> bool:
+            try:
+                os.kill(engine_pid, 0)
+            except ProcessLookupError:
+                return True
+            # A zombie until its new parent reaps it: gone for our purposes.
+            return Path(f"/proc/{engine_pid}/stat").read_text().split(") ")[1][0] == "Z"
+
+        wait_for(gone, 30)
+        time.sleep(0.5)   # anything it printed on its way out has reached the pipe
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    err = worker.stderr.read()
+    assert "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
 def test_stop_strings_end_requests_in_the_worker_as_in_the_engine(redis_url, tiny_model, arun, async_scheduling):
     """Greedy outputs through a worker whose engine has its own process equal
