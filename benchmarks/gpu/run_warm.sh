@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a fresh device machine: pay the first engine start once, where it is measured,
-# before the benchmark that follows. Runs time_first_start.py with stack dumps every
+# before the benchmark that follows. Runs time_first_start.py with stack samples every
 # 5 s (OUT/warm/: its stages, the stacks and their summary: where a first start's time
 # goes, benchmarks/gpu/NOTES.md; written.txt: the files it wrote outside the tree, on every
 # filesystem, by folder), packs the kernel caches it built into OUT

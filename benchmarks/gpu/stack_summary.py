@@ -1,5 +1,5 @@
 """Where a process spent its time, from the periodic stack dumps of
-time_first_start.py --stacks (faulthandler's format): for the thread that ran
+time_first_start.py --stacks (in faulthandler's format): for the thread that ran
 the engine (the main thread), how many dumps each frame was
 on the stack in, and the innermost frames most seen. Each dump is one sample
 of --stack-every seconds. Usage:

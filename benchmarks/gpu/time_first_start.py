@@ -10,14 +10,15 @@ see what a warm cache saves. Usage on the device:
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import logging
 import os
 import random
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 
 T0 = time.perf_counter()
@@ -31,6 +32,33 @@ def stage(name: str) -> None:
     print(f"{now - T0:8.1f}s  {name}: {took:.2f}s", flush=True)
 
 
+def sample_stacks(path: str, every: float) -> None:
+    """Writes every other thread's stack into `path` every `every` seconds, in
+    faulthandler's dump format (stack_summary.py reads it), from a Python
+    thread: faulthandler's own timed dump reads the frames from a C thread
+    without the GIL and crashed the process (a segmentation fault during
+    LLM(), on an H100). A sample waits while another thread holds the GIL."""
+    out = open(path, "w")   # kept open for the process's life
+
+    def run() -> None:
+        me, n = threading.get_ident(), 0
+        while True:
+            time.sleep(every)
+            n += 1
+            lines = [f"Timeout ({n * every:.0f} s)!"]
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                lines.append(f"Thread 0x{ident:016x} (most recent call first):")
+                lines += [f'  File "{f.filename}", line {f.lineno} in {f.name}'
+                          for f in reversed(traceback.extract_stack(frame))]
+                lines.append("")
+            out.write("\n".join(lines) + "\n")
+            out.flush()
+
+    threading.Thread(target=run, name="stack-sampler", daemon=True).start()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -39,8 +67,7 @@ def main() -> None:
     ap.add_argument("--stack-every", type=float, default=5.0)
     args = ap.parse_args()
     if args.stacks:
-        stacks_file = open(args.stacks, "w")   # kept open for the process's life
-        faulthandler.dump_traceback_later(args.stack_every, repeat=True, file=stacks_file)
+        sample_stacks(args.stacks, args.stack_every)
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)9.0fms %(name)s: %(message)s")
     import torch
     stage("import torch")
@@ -87,7 +114,6 @@ def main() -> None:
               "total_s": time.perf_counter() - T0, "gpu": torch.cuda.get_device_name(),
               "cuda_build": cuda_build,
               "command": be.RESULTS["command"], "commit": be.RESULTS["commit"]}
-    faulthandler.cancel_dump_traceback_later()
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result["startup_phases_s"]))
 
