@@ -36,8 +36,9 @@ def sample_stacks(path: str, every: float) -> None:
     """Writes every other thread's stack into `path` every `every` seconds, in
     faulthandler's dump format (stack_summary.py reads it), from a Python
     thread: faulthandler's own timed dump reads the frames from a C thread
-    without the GIL and crashed the process (a segmentation fault during
-    LLM(), on an H100). A sample waits while another thread holds the GIL."""
+    without the GIL, and with it a start on an H100 died of a segmentation
+    fault at the second dump (runs without it never did). A sample waits
+    while another thread holds the GIL."""
     out = open(path, "w")   # kept open for the process's life
 
     def run() -> None:
