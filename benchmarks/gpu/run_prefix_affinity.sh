@@ -101,8 +101,14 @@ chat=(--workload multi-turn --conversations 128 --turns 4 --system-len 1024 --pr
 declare -n shape=$workload
 off=(); [ "$cache" = off ] && off=(--replica-arg=--no-prefix-caching)
 prime=(); [ -n "${PRIME:-}" ] && prime=(--prime)
+# The roofline's card: an H100 when the script runs on one (file names keep h200_, which
+# the gathering commands expect); the CPU dry run has none.
+hardware=none
+if [ "$device" = cuda ]; then
+  nvidia-smi --query-gpu=name --format=csv,noheader -i 0 | grep -q H100 && hardware=h100 || hardware=h200
+fi
 common=(--start-stack --replicas 2 --stack-arg=--replica-gpus=0,0 --device "$device" --model "$model"
-        --hardware h200 --replica-arg=--load-format --replica-arg=dummy
+        --hardware "$hardware" --replica-arg=--load-format --replica-arg=dummy
         --replica-arg=--num-blocks --replica-arg="$NUM_BLOCKS" --replica-arg=--max-num-seqs --replica-arg=256
         --replica-arg=--chunk-size --replica-arg=2048 "${off[@]}" "${shape[@]}" --output-dist fixed
         --output-len 64 --tbt-slo 0.1 --ttft-p99-slo 2 --growth "${GROWTH:-1.5}" --max-probes 5 --rel-tol 0.08

@@ -1,6 +1,7 @@
 """Hardware limits for a model shape and workload: bytes per decode step (weights +
 KV read) and FLOPs per token (2 * params + attention), against a memory bandwidth
-and a matmul rate, either given (H200: 4.3 TB/s, 790 TFLOP/s bf16) or measured here."""
+and a matmul rate, either given (H200: 4.3 TB/s, 790 TFLOP/s bf16; H100: 2.95 TB/s,
+744 TFLOP/s) or measured here."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 H200 = {"bandwidth_Bps": 4.3e12, "flops": 790e12}
+# An H100 80GB that the H200 scripts run on: the copy and matmul rates bench_engine measured
+# on one (2.94-2.96 TB/s, 744 TFLOP/s bf16; README), below its datasheet as the H200's are.
+H100 = {"bandwidth_Bps": 2.95e12, "flops": 744e12}
 
 
 @dataclass(frozen=True)

@@ -50,3 +50,18 @@ def test_model_dir_writes_each_known_shape(tmp_path):
         config = json.loads((out / "config.json").read_text())
         assert (config["hidden_size"], config["vocab_size"]) == (hidden, vocab)
         assert (out / "tokenizer.json").exists()
+
+
+def test_the_harness_names_the_card_it_runs_on():
+    """An H100 run's roofline is the H100's, not the H200's the GPU scripts assumed."""
+    import argparse
+
+    from benchmarks.harness.cli import hardware_from
+    from benchmarks.harness.roofline import H100
+
+    args = dict(bandwidth=None, flops=None)
+    h100 = hardware_from(argparse.Namespace(hardware="h100", **args))
+    h200 = hardware_from(argparse.Namespace(hardware="h200", **args))
+    assert (h100.bandwidth_Bps, h100.flops) == (H100["bandwidth_Bps"], H100["flops"])
+    assert h100.bandwidth_Bps < h200.bandwidth_Bps and h100.name.startswith("h100")
+    assert hardware_from(argparse.Namespace(hardware="none", **args)) is None
