@@ -39,7 +39,8 @@ cleanup() {  # stacks run in their own sessions: a run cut by timeout leaves the
 }
 cleanup
 
-common=(--workload sharegpt --seed 1 --tbt-slo 0.1 --hardware h200 --device "$device" --model "$model"
+[ "$device" = cuda ] && hardware=gpu || hardware=none   # the roofline of the card it runs on
+common=(--workload sharegpt --seed 1 --tbt-slo 0.1 --hardware "$hardware" --device "$device" --model "$model"
         --replica-arg=--load-format --replica-arg=dummy --replica-arg=--max-num-seqs --replica-arg="${SEATS:-128}"
         --no-progress --summary-dir "$out" ${EXTRA_ARGS:-})
 chunk() { echo "--replica-arg=--chunk-size" "--replica-arg=$1"; }

@@ -101,12 +101,9 @@ chat=(--workload multi-turn --conversations 128 --turns 4 --system-len 1024 --pr
 declare -n shape=$workload
 off=(); [ "$cache" = off ] && off=(--replica-arg=--no-prefix-caching)
 prime=(); [ -n "${PRIME:-}" ] && prime=(--prime)
-# The roofline's card: an H100 when the script runs on one (file names keep h200_, which
+# The roofline's card: the one the run is on (--hardware gpu; file names keep h200_, which
 # the gathering commands expect); the CPU dry run has none.
-hardware=none
-if [ "$device" = cuda ]; then
-  nvidia-smi --query-gpu=name --format=csv,noheader -i 0 | grep -q H100 && hardware=h100 || hardware=h200
-fi
+[ "$device" = cuda ] && hardware=gpu || hardware=none
 common=(--start-stack --replicas 2 --stack-arg=--replica-gpus=0,0 --device "$device" --model "$model"
         --hardware "$hardware" --replica-arg=--load-format --replica-arg=dummy
         --replica-arg=--num-blocks --replica-arg="$NUM_BLOCKS" --replica-arg=--max-num-seqs --replica-arg=256

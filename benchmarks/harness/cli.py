@@ -114,9 +114,10 @@ def add_slo_args(p):
 
 def add_hw_args(p):
     g = p.add_argument_group("roofline")
-    g.add_argument("--hardware", default="cpu", choices=("cpu", "h200", "h100", "none"),
+    g.add_argument("--hardware", default="cpu", choices=("cpu", "h200", "h100", "gpu", "none"),
                    help="cpu: measured memcpy and torch matmul here; h200: 4.3 TB/s, 790 TFLOP/s; "
-                        "h100: 2.95 TB/s, 744 TFLOP/s (rates measured on one)")
+                        "h100: 2.95 TB/s, 744 TFLOP/s (rates measured on one); gpu: h100 or h200, "
+                        "as nvidia-smi names GPU 0")
     g.add_argument("--bandwidth", type=float, help="bytes/s (overrides --hardware)")
     g.add_argument("--flops", type=float, help="FLOP/s (overrides --hardware)")
     g.add_argument("--dtype-bytes", type=int, help="default: from config (float32 4, else 2)")
@@ -244,12 +245,13 @@ _HW_CACHE: dict = {}
 def hardware_from(a) -> roofline.Hardware | None:
     if a.hardware == "none" and not (a.bandwidth and a.flops):
         return None
-    if a.hardware not in _HW_CACHE:
+    card = roofline.gpu_card() if a.hardware == "gpu" else a.hardware
+    if card not in _HW_CACHE:
         given = {"h200": (roofline.H200, "h200 (datasheet)"),
-                 "h100": (roofline.H100, "h100 (measured rates)")}.get(a.hardware)
-        _HW_CACHE[a.hardware] = (roofline.measure_cpu() if a.hardware == "cpu"
-                                 else roofline.Hardware(**given[0], name=given[1]) if given else None)
-    base = _HW_CACHE[a.hardware]
+                 "h100": (roofline.H100, "h100 (measured rates)")}.get(card)
+        _HW_CACHE[card] = (roofline.measure_cpu() if card == "cpu"
+                           else roofline.Hardware(**given[0], name=given[1]) if given else None)
+    base = _HW_CACHE[card]
     bw = a.bandwidth or (base.bandwidth_Bps if base else None)
     fl = a.flops or (base.flops if base else None)
     name = base.name if base and not (a.bandwidth or a.flops) else "given"

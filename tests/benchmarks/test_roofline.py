@@ -57,7 +57,7 @@ def test_the_harness_names_the_card_it_runs_on():
     import argparse
 
     from benchmarks.harness.cli import hardware_from
-    from benchmarks.harness.roofline import H100
+    from benchmarks.harness.roofline import H100, gpu_card
 
     args = dict(bandwidth=None, flops=None)
     h100 = hardware_from(argparse.Namespace(hardware="h100", **args))
@@ -65,3 +65,4 @@ def test_the_harness_names_the_card_it_runs_on():
     assert (h100.bandwidth_Bps, h100.flops) == (H100["bandwidth_Bps"], H100["flops"])
     assert h100.bandwidth_Bps < h200.bandwidth_Bps and h100.name.startswith("h100")
     assert hardware_from(argparse.Namespace(hardware="none", **args)) is None
+    assert gpu_card("NVIDIA H100 80GB HBM3\n") == "h100" and gpu_card("NVIDIA H200\n") == "h200"
