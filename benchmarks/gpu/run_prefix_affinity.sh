@@ -15,9 +15,10 @@
 #
 # Each phase is two capacity searches of at most BUDGET_S (default 215) seconds each,
 # stack start included, so a phase ends within 9 minutes (a cut search keeps the probes
-# it finished; its JSON says "complete": false). Results: OUT_DIR/h200_prefix_<workload>_
-# <policy>_cache<on|off>.json (every probe, the harness command), its PNG, the log.
-# Gather them with `python -m benchmarks repeats --out OUT_DIR/h200_prefix LABEL=JSON ...`.
+# it finished; its JSON says "complete": false). Results: OUT_DIR/<card>_prefix_<workload>_
+# <policy>_cache<on|off>.json (every probe, the harness command), its PNG, the log; <card>
+# is the GPU the run is on (h200, h100; gpu for another; cpu in a dry run).
+# Gather them with `python -m benchmarks repeats --out OUT_DIR/<card>_prefix LABEL=JSON ...`.
 #
 # Memory. The replica's --gpu-memory-utilization is a share of the whole GPU that
 # counts what every process on it holds (KV = total x share - used), so two replicas
@@ -101,9 +102,15 @@ chat=(--workload multi-turn --conversations 128 --turns 4 --system-len 1024 --pr
 declare -n shape=$workload
 off=(); [ "$cache" = off ] && off=(--replica-arg=--no-prefix-caching)
 prime=(); [ -n "${PRIME:-}" ] && prime=(--prime)
-# The roofline's card: the one the run is on (--hardware gpu; file names keep h200_, which
-# the gathering commands expect); the CPU dry run has none.
-[ "$device" = cuda ] && hardware=gpu || hardware=none
+# The roofline's card: the one the run is on (--hardware gpu); the CPU dry run has none.
+# Result files are named by the card too.
+card=cpu; hardware=none
+if [ "$device" = cuda ]; then
+  hardware=gpu
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null)" in
+    *H200*) card=h200 ;; *H100*) card=h100 ;; *) card=gpu ;;
+  esac
+fi
 common=(--start-stack --replicas 2 --stack-arg=--replica-gpus=0,0 --device "$device" --model "$model"
         --hardware "$hardware" --replica-arg=--load-format --replica-arg=dummy
         --replica-arg=--num-blocks --replica-arg="$NUM_BLOCKS" --replica-arg=--max-num-seqs --replica-arg=256
@@ -112,7 +119,7 @@ common=(--start-stack --replicas 2 --stack-arg=--replica-gpus=0,0 --device "$dev
         --seed "${SEED:-1}" --no-progress --summary-dir "$out" "${prime[@]}" ${EXTRA_ARGS:-})
 
 for policy in "${policies[@]}"; do
-  name=h200_prefix_${workload}_${policy}_cache${cache}${SUFFIX:-}
+  name=${card}_prefix_${workload}_${policy}_cache${cache}${SUFFIX:-}
   from_var=FROM_$policy
   from=${!from_var:-$default_from}
   echo "== $name: python -m benchmarks capacity --policy $policy --initial-rate $from ${common[*]}" >>"$out/$name.log"
