@@ -212,6 +212,11 @@ class ReplicaWorker:
                  asyncio.create_task(self._read_loop(call)),
                  asyncio.create_task(self._heartbeats())]
         self._on_registered(first.registered)
+        if self._done.is_set():
+            # Drained while registering (nothing was in hand): the half-close
+            # _check_drained sent found no outbox then, and without it the router
+            # and this worker would wait on each other for good.
+            self._send(None)
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:

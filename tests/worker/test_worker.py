@@ -1,9 +1,14 @@
-"""ReplicaWorker with a scripted engine: credit, invalid work, engine failures, cancels."""
+"""ReplicaWorker with a scripted engine: credit, invalid work, engine failures, cancels;
+and its drain against a scripted router."""
 
 import asyncio
 
+import grpc
+
 from common.pb.quadriga.v1 import generation_pb2 as gpb
 from common.pb.quadriga.v1 import replica_pb2 as pb
+from common.pb.quadriga.v1 import replica_pb2_grpc
+from common.redis_server import free_port
 from tests.worker.fakes import FakeEngine, Wired, assignment, make_worker
 
 
@@ -204,3 +209,43 @@ def test_the_credit_a_finish_frees_rides_in_its_step_when_the_router_takes_it():
     kinds, step = run(main(False))
     assert not step.HasField("pull")
     assert kinds.index("pull") > kinds.index("step"), kinds
+
+
+def test_a_drain_asked_for_while_registering_still_ends_the_stream():
+    """begin_drain while the worker waits for its Registered reply (a SIGTERM right as a
+    replica connects): nothing is in hand, so the drain is complete at once, and its
+    half-close must still reach the router once the session is up. It was dropped (the
+    session had no outbox yet), and worker and router then waited on each other forever."""
+    registering, answer = asyncio.Event(), asyncio.Event()
+    half_closed: list[bool] = []
+
+    class ScriptedRouter(replica_pb2_grpc.ReplicaGatewayServicer):
+        async def Connect(self, request_iterator, context):
+            stream = request_iterator.__aiter__()
+            first = await stream.__anext__()
+            assert first.WhichOneof("kind") == "register"
+            registering.set()
+            await answer.wait()
+            yield pb.RouterMessage(registered=pb.Registered(heartbeat_interval_s=0.5, lease_ttl_s=10,
+                                                            step_credit=True))
+            async for _ in stream:   # heartbeats, until the worker half-closes
+                pass
+            half_closed.append(True)
+
+    async def main():
+        server = grpc.aio.server()
+        replica_pb2_grpc.add_ReplicaGatewayServicer_to_server(ScriptedRouter(), server)
+        port = free_port()
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        try:
+            worker = make_worker(FakeEngine(seats=2), router=f"127.0.0.1:{port}")
+            task = asyncio.create_task(worker.run())
+            await asyncio.wait_for(registering.wait(), 10)
+            worker.begin_drain()
+            answer.set()
+            await asyncio.wait_for(task, 5)
+            assert half_closed == [True]
+        finally:
+            await server.stop(None)
+    run(main())
