@@ -107,9 +107,7 @@ prime=(); [ -n "${PRIME:-}" ] && prime=(--prime)
 card=cpu; hardware=none
 if [ "$device" = cuda ]; then
   hardware=gpu
-  case "$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null)" in
-    *H200*) card=h200 ;; *H100*) card=h100 ;; *) card=gpu ;;
-  esac
+  card=$($PY -c "from benchmarks.harness.roofline import gpu_card; print(gpu_card())") || card=gpu
 fi
 common=(--start-stack --replicas 2 --stack-arg=--replica-gpus=0,0 --device "$device" --model "$model"
         --hardware "$hardware" --replica-arg=--load-format --replica-arg=dummy

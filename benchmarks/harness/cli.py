@@ -117,7 +117,7 @@ def add_hw_args(p):
     g.add_argument("--hardware", default="cpu", choices=("cpu", "h200", "h100", "gpu", "none"),
                    help="cpu: measured memcpy and torch matmul here; h200: 4.3 TB/s, 790 TFLOP/s; "
                         "h100: 2.95 TB/s, 744 TFLOP/s (rates measured on one); gpu: h100 or h200, "
-                        "as nvidia-smi names GPU 0")
+                        "as nvidia-smi names GPU 0 (another card: no roofline)")
     g.add_argument("--bandwidth", type=float, help="bytes/s (overrides --hardware)")
     g.add_argument("--flops", type=float, help="FLOP/s (overrides --hardware)")
     g.add_argument("--dtype-bytes", type=int, help="default: from config (float32 4, else 2)")

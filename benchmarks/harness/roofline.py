@@ -17,16 +17,17 @@ H100 = {"bandwidth_Bps": 2.95e12, "flops": 744e12}
 
 
 def gpu_card(name: str | None = None) -> str:
-    """h100 or h200: the rates to use for the card nvidia-smi names (GPU 0), or
-    for `name`. nvidia-smi, not torch: the load generator must not take a CUDA
-    context on the GPU whose memory its replicas divide. Any other card gets
-    the h200 rates, as every GPU run did before the H100 had its own."""
+    """h100, h200, or gpu for any other card: the card nvidia-smi names (GPU 0),
+    or `name`. It picks the roofline's rates (none are known for another card)
+    and names the GPU scripts' result files. nvidia-smi, not torch: the load
+    generator must not take a CUDA context on the GPU whose memory its
+    replicas divide."""
     if name is None:
         import subprocess
 
         name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
                               capture_output=True, text=True, timeout=30).stdout
-    return "h100" if "H100" in name else "h200"
+    return "h100" if "H100" in name else "h200" if "H200" in name else "gpu"
 
 
 @dataclass(frozen=True)

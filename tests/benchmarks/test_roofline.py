@@ -66,3 +66,4 @@ def test_the_harness_names_the_card_it_runs_on():
     assert h100.bandwidth_Bps < h200.bandwidth_Bps and h100.name.startswith("h100")
     assert hardware_from(argparse.Namespace(hardware="none", **args)) is None
     assert gpu_card("NVIDIA H100 80GB HBM3\n") == "h100" and gpu_card("NVIDIA H200\n") == "h200"
+    assert gpu_card("NVIDIA A100-SXM4-80GB\n") == "gpu"   # no rates known: no roofline
