@@ -12,6 +12,9 @@
 #   shared-push  shared-prefix: round_robin, cache_aware
 #   chat-pull    multi-turn: pull_fifo, pull
 #   chat-push    multi-turn: round_robin, cache_aware
+#   shared-load, chat-load   pull_fifo and pull at one load: LOADS (default 0.7) of
+#                CAPACITY (req/s or conversations/s, required: pull_fifo's), one run each
+#                (the harness's compare; #14's TTFT p50 at 70% load)
 #
 # Each phase is two capacity searches of at most BUDGET_S (default 215) seconds each,
 # stack start included, so a phase ends within 9 minutes (a cut search keeps the probes
@@ -44,7 +47,7 @@
 #   NUM_BLOCKS=256 PYTHON=.venv/bin/python BUDGET_S=120 SHARED_FROM=6 CHAT_FROM=1
 #   EXTRA_ARGS="--groups 8 --system-len 256 --prompt-min 16 --prompt-max 64 --conversations 8" ...
 set -uo pipefail
-phase=${1:?give a phase: cache, shared-pull, shared-push, chat-pull or chat-push}
+phase=${1:?give a phase: cache, shared-pull, shared-push, chat-pull, chat-push, shared-load or chat-load}
 out=$(mkdir -p "${2:-${OUT:?give OUT_DIR}}" && cd "${2:-$OUT}" && pwd)
 budget=${BUDGET_S:-215}
 model=${MODEL_DIR:-/tmp/llama31-8b-shape}
@@ -57,7 +60,9 @@ case $phase in
   shared-push) workload=shared; policies=(round_robin cache_aware); cache=on ;;
   chat-pull)   workload=chat; policies=(pull_fifo pull); cache=on ;;
   chat-push)   workload=chat; policies=(round_robin cache_aware); cache=on ;;
-  *) die "unknown phase '$phase' (cache, shared-pull, shared-push, chat-pull, chat-push)" ;;
+  shared-load|chat-load) workload=${phase%-load}; policies=(pull_fifo pull); cache=on
+               capacity=${CAPACITY:?give CAPACITY, the capacity of pull_fifo that the loads are fractions of} ;;
+  *) die "unknown phase '$phase' (cache, shared-pull, shared-push, chat-pull, chat-push, shared-load, chat-load)" ;;
 esac
 [ -n "${POLICIES:-}" ] && read -r -a policies <<<"$POLICIES"
 
@@ -116,6 +121,19 @@ common=(--start-stack --replicas 2 --stack-arg=--replica-gpus=0,0 --device "$dev
         --output-len 64 --tbt-slo 0.1 --ttft-p99-slo 2 --growth "${GROWTH:-1.5}" --max-probes 5 --rel-tol 0.08
         --seed "${SEED:-1}" --no-progress --summary-dir "$out" "${prime[@]}" ${EXTRA_ARGS:-})
 
+if [ -n "${capacity:-}" ]; then   # one compare run of every policy at each load
+  loads=${LOADS:-0.7}
+  name=${card}_prefix_${workload}_load${loads// /_}_of${capacity}_cache${cache}${SUFFIX:-}
+  echo "== $name: python -m benchmarks compare --policies ${policies[*]} --capacity $capacity --loads $loads ${common[*]}" >>"$out/$name.log"
+  # shellcheck disable=SC2086   # LOADS is a list of fractions
+  timeout -s INT -k 30 "$budget" $PY -m benchmarks compare --policies "${policies[@]}" --capacity "$capacity" \
+    --loads $loads "${common[@]}" --name "$name" --out-dir "$out/harness/$name" \
+    --stack-log-dir "/tmp/stack-logs/$name" >>"$out/$name.log" 2>&1
+  echo "== $name: exit $?" >>"$out/$name.log"
+  tail -n 12 "$out/$name.log"
+  cleanup
+  policies=()
+fi
 for policy in "${policies[@]}"; do
   name=${card}_prefix_${workload}_${policy}_cache${cache}${SUFFIX:-}
   from_var=FROM_$policy
