@@ -14,7 +14,8 @@
 #   chat-push    multi-turn: round_robin, cache_aware
 #   shared-load, chat-load   pull_fifo and pull at one load: LOADS (default 0.7) of
 #                CAPACITY (req/s or conversations/s, required: pull_fifo's), one run each
-#                (the harness's compare; #14's TTFT p50 at 70% load)
+#                (the harness's compare; #14's TTFT p50 at 70% load), both runs within one
+#                BUDGET_S: give it room for two stack starts and two runs (420 on an H100)
 #
 # Each phase is two capacity searches of at most BUDGET_S (default 215) seconds each,
 # stack start included, so a phase ends within 9 minutes (a cut search keeps the probes
