@@ -29,7 +29,7 @@ from benchmarks.harness.loadgen import run_requests
 from benchmarks.harness.prefix_workloads import priming, reusable_tokens
 from benchmarks.harness.stack import Stack
 from benchmarks.harness.workload import (PREFIX_WORKLOADS, PRESETS, WorkloadSpec, generate,
-                                         vocab_size_of)
+                                         rate_unit, vocab_size_of)
 
 # A name the harness runs: a router policy, with the router flags that make it.
 POLICY_VARIANTS = {
@@ -60,7 +60,8 @@ def add_workload_args(p):
         g.add_argument(f"--{what}-max", type=int, default=hi)
     g.add_argument("--zipf-theta", type=float, default=1.2)
     g.add_argument("--arrival", default="poisson", choices=("poisson", "gamma", "burst", "trace"))
-    g.add_argument("--rate", type=float, help="requests/s; unset: all at once")
+    g.add_argument("--rate", type=float,
+                   help="requests/s (multi-turn: conversations started a second); unset: all at once")
     g.add_argument("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--vocab-size", type=int, help="default: the model's config.json (512 without one)")
@@ -147,7 +148,8 @@ def parse_args(argv=None):
     m = sub.add_parser("compare", help="policies x loads")
     add_workload_args(m), add_target_args(m), add_slo_args(m), add_hw_args(m), add_output_args(m, "compare")
     m.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
-    m.add_argument("--capacity", type=float, help="req/s that --loads are fractions of")
+    m.add_argument("--capacity", type=float,
+                   help="the rate --loads are fractions of (req/s; conversations/s for multi-turn)")
     m.add_argument("--find-capacity", action="store_true", help="search it first with the first policy")
     m.add_argument("--loads", nargs="+", type=float, default=[0.7, 0.9])
     m.add_argument("--rates", nargs="+", type=float, help="absolute rates instead of --loads")
@@ -405,10 +407,10 @@ def find_capacity(a, target: Target, model, spec: WorkloadSpec, slo: M.SLO, out_
         sp = WorkloadSpec(**{**spec.describe(), "num_requests": num_requests or spec.num_requests})
         reqs = generate(sp, rate=rate)
         stem = f"{a.name}-probe-{rate:.3f}"
-        summary, _ = measured(target, a, model, reqs, f"probe {rate:.2f} req/s", slo, out_dir, stem)
+        summary, _ = measured(target, a, model, reqs, f"probe {rate:.2f} {spec.rate_unit}", slo, out_dir, stem)
         ok, why = cap.probe_passes(summary, slo.tbt_s, slo.sched_delay_p50_s, offered_rate=rate,
                                    ttft_p99_s=slo.ttft_p99_s)
-        log(f"  probe {rate:.3f} req/s: {'PASS' if ok else 'fail'} ({why})")
+        log(f"  probe {rate:.3f} {spec.rate_unit}: {'PASS' if ok else 'fail'} ({why})")
         probes.append({"rate": rate, "passed": ok, "why": why, "summary": summary})
         if on_probe:
             passed = [p["rate"] for p in probes if p["passed"]]
@@ -418,7 +420,7 @@ def find_capacity(a, target: Target, model, spec: WorkloadSpec, slo: M.SLO, out_
 
     best, history = cap.search(probe, a.initial_rate, max_probes=a.max_probes, rel_tol=a.rel_tol,
                                growth=a.growth)
-    log(f"capacity: {best} req/s after {len(history)} probes")
+    log(f"capacity: {best} {spec.rate_unit} after {len(history)} probes")
     return {"capacity_req_s": best, "complete": True, "rule": rule, "history": history, "probes": probes}
 
 
@@ -460,10 +462,10 @@ def cmd_compare(a) -> int:
                     raise SystemExit("give --rates, --capacity or --find-capacity")
                 rates = [a.capacity * f for f in a.loads]
             for j, rate in enumerate(rates):
-                key = f"{a.loads[j] * 100:.0f}%" if a.rates is None else f"{rate:g} req/s"
+                key = f"{a.loads[j] * 100:.0f}%" if a.rates is None else f"{rate:g} {spec.rate_unit}"
                 stem = f"{a.name}-{policy}-{key.replace('%', 'pct').replace(' ', '').replace('/', '')}"
                 reqs = generate(spec, rate=rate)
-                summary, results = measured(t, a, model, reqs, f"{policy} @ {key} ({rate:.2f} req/s)",
+                summary, results = measured(t, a, model, reqs, f"{policy} @ {key} ({rate:.2f} {spec.rate_unit})",
                                             slo, out_dir, stem)
                 summary["rate_req_s"] = rate
                 summaries.setdefault(key, {})[policy] = summary
@@ -585,14 +587,15 @@ def cmd_plot_capacity(a) -> int:
         raise SystemExit(f"the searches used different rules (TBT SLO, keep-up) {sorted(slos)}; plot them apart")
     tbt_slo, keep_up = slos.pop()
     for label, result in searches.items():
-        print(f"{label}: capacity {result['capacity_req_s']} req/s")
+        unit = rate_unit(result.get("workload", {}).get("workload"))
+        print(f"{label}: capacity {result['capacity_req_s']} {unit}")
         for p in sorted(result["probes"], key=lambda p: p["rate"]):
-            print("  " + probe_row(p))
+            print("  " + probe_row(p, unit))
     print(plots.capacity_plot(Path(a.out), searches, tbt_slo, keep_up, title=a.title))
     return 0
 
 
-def probe_row(probe: dict) -> str:
+def probe_row(probe: dict, unit: str = "req/s") -> str:
     """One probe in a line. In flight is Little's law over the arrival window: the
     admitted rate times the mean time a request stays (the router's e2e), i.e. how
     many requests the replicas held on average, to set against their seats."""
@@ -600,7 +603,7 @@ def probe_row(probe: dict) -> str:
     admitted, offered, e2e = s.get("admitted_req_s"), s.get("offered_req_s"), s["server_e2e_s"]["mean"]
     in_flight = f"{admitted * e2e:.0f}" if admitted and e2e else "-"
     share = f"{admitted / offered:.2f}" if admitted and offered else "-"
-    return (f"{probe['rate']:7.3f} req/s {'pass' if probe['passed'] else 'FAIL'}  "
+    return (f"{probe['rate']:7.3f} {unit} {'pass' if probe['passed'] else 'FAIL'}  "
             f"p99 TBT {s['tbt_s']['p99'] * 1000:5.1f} ms  admitted/offered {share}  "
             f"mean e2e {e2e or 0:5.1f} s  in flight {in_flight}")
 

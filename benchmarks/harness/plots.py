@@ -10,6 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from benchmarks.harness.workload import rate_unit  # noqa: E402
+
 DPI = 100
 
 
@@ -117,11 +119,13 @@ def capacity_plot(path: Path, searches: dict[str, dict], tbt_slo: float, keep_up
     panels = ((tbt_ax, lambda s: s["tbt_s"]["p99"]),
               (adm_ax, lambda s: (s["admitted_req_s"] / s["offered_req_s"]
                                   if s.get("admitted_req_s") and s.get("offered_req_s") else None)))
+    units = {rate_unit(r.get("workload", {}).get("workload")) for r in searches.values()}
+    unit = units.pop() if len(units) == 1 else "req/s or conversations/s"
     for i, (label, result) in enumerate(searches.items()):
         color = f"C{i % 10}"
         probes = sorted(result.get("probes", []), key=lambda p: p["rate"])
         capacity = result.get("capacity_req_s")
-        name = f"{label}: {capacity:.3g} req/s" if capacity else f"{label}: none passed"
+        name = f"{label}: {capacity:.3g} {unit}" if capacity else f"{label}: none passed"
         for ax, value in panels:
             points = [(p["rate"], value(p["summary"]), p["passed"]) for p in probes]
             points = [pt for pt in points if pt[1] is not None]
@@ -139,7 +143,7 @@ def capacity_plot(path: Path, searches: dict[str, dict], tbt_slo: float, keep_up
     adm_ax.set_ylabel("admitted / offered")
     adm_ax.set_title(f"keeping up over the arrival window ({keep_up:.0%} dashed)", fontsize=9)
     for ax in (tbt_ax, adm_ax):
-        ax.set_xlabel("offered rate (req/s)")
+        ax.set_xlabel(f"offered rate ({unit})")
         ax.grid(alpha=0.3)
     fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)) or 1, fontsize=8)
     if title:

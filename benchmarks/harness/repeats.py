@@ -16,6 +16,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.harness import plots
+from benchmarks.harness.workload import rate_unit
 
 FIGURES = ("capacity_req_s", "ttft_p50_s", "ttft_p99_s", "tbt_p99_s", "throughput_req_s",
            "engine_hit_rate", "router_hit_rate", "oracle_hit_rate")
@@ -45,6 +46,13 @@ def gather(inputs: list[str]) -> dict[str, dict[str, dict[str, list[float]]]]:
     return out
 
 
+def capacity_unit(inputs: list[str]) -> str:
+    """The unit of the inputs' rates (multi-turn counts conversations)."""
+    units = {rate_unit(json.loads(Path(item.partition("=")[2] or item).read_text())
+                       .get("workload", {}).get("workload")) for item in inputs}
+    return units.pop() if len(units) == 1 else "req/s or conversations/s"
+
+
 def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "n": len(values), "values": values}
@@ -69,7 +77,8 @@ def main(out: str, inputs: list[str], title: str = "") -> int:
                     s = figs.get(x)
                     cells += [f"{s[k]:.4f}" if s else "" for k in ("median", "min", "max")]
                 w.writerow([label, policy, n, *cells])
-    for figure, ylabel in (("capacity_req_s", "capacity (req/s)"), ("ttft_p50_s", "TTFT p50 (s)"),
+    unit = capacity_unit(inputs)
+    for figure, ylabel in (("capacity_req_s", f"capacity ({unit})"), ("ttft_p50_s", "TTFT p50 (s)"),
                            ("ttft_p99_s", "TTFT p99 (s)"), ("engine_hit_rate", "engine prefix hit rate")):
         rows, spread = [], []
         for label, by in table.items():

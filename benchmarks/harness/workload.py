@@ -200,6 +200,16 @@ class WorkloadSpec:
     def describe(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
 
+    @property
+    def rate_unit(self) -> str:
+        return rate_unit(self.workload)
+
+
+def rate_unit(workload: str | None) -> str:
+    """What a workload's arrival rate counts: a multi-turn rate starts conversations
+    (each brings its turns, so its requests arrive faster); any other, requests."""
+    return "conversations/s" if workload == "multi-turn" else "req/s"
+
 
 def generate(spec: WorkloadSpec, rate: float | None = None) -> list[Request]:
     """Lengths depend only on the seed, not on the rate, so probes at different rates

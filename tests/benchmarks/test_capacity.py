@@ -117,3 +117,20 @@ def test_a_p99_ttft_bound_fails_a_probe_only_when_given():
     ok, why = probe_passes(s, 0.1, ttft_p99_s=2.0)
     assert not ok and "p99 TTFT 2.5 > 2.0" in why
     assert probe_passes({**s, "ttft_s": {"p99": 1.5}}, 0.1, ttft_p99_s=2.0)[0]
+
+
+def test_a_multi_turn_search_is_read_in_conversations_per_second(tmp_path, capsys):
+    """A multi-turn rate starts conversations (each brings its turns): the listing
+    says so, where a request rate would be read three or four times too low."""
+    import json
+
+    from benchmarks.harness.cli import main
+    from benchmarks.harness.workload import WorkloadSpec, rate_unit
+
+    chat = {**_search_result(4.0, [2, 4, 8]), "workload": {"workload": "multi-turn"}}
+    (tmp_path / "chat.json").write_text(json.dumps(chat))
+    assert main(["plot-capacity", f"chat={tmp_path / 'chat.json'}", "--out", str(tmp_path / "c.png")]) == 0
+    printed = capsys.readouterr().out
+    assert "chat: capacity 4.0 conversations/s" in printed and "  8.000 conversations/s FAIL" in printed
+    assert WorkloadSpec(workload="multi-turn").rate_unit == "conversations/s"
+    assert rate_unit("shared-prefix") == rate_unit(None) == "req/s"

@@ -51,3 +51,17 @@ def test_capacity_searches_gather_beside_compare_runs(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"kind": "run"}))
     with pytest.raises(SystemExit):
         repeats.main(str(tmp_path / "out2"), [str(tmp_path / "bad.json")])
+
+
+def test_capacity_of_multi_turn_runs_is_labelled_in_conversations(tmp_path):
+    def capacity_json(name, workload):
+        path = tmp_path / name
+        path.write_text(json.dumps({"kind": "capacity", "target": {"policy": "pull"}, "capacity_req_s": 3.0,
+                                    "workload": {"workload": workload}}))
+        return str(path)
+
+    assert repeats.capacity_unit([f"a={capacity_json('a.json', 'multi-turn')}",
+                                  capacity_json("b.json", "multi-turn")]) == "conversations/s"
+    assert repeats.capacity_unit([capacity_json("c.json", "shared-prefix")]) == "req/s"
+    mixed = [capacity_json("d.json", "multi-turn"), capacity_json("e.json", "shared-prefix")]
+    assert repeats.capacity_unit(mixed) == "req/s or conversations/s"
