@@ -1,4 +1,6 @@
-"""The README's main job: `python -m stack` answers real requests and stops cleanly on Ctrl-C."""
+"""The README's main job: `python -m stack` answers real requests and stops cleanly on
+Ctrl-C, and on a SIGTERM to its whole process group (what `timeout` and a container's
+stop send: every child gets it at once, and the stack still stops them in order)."""
 
 import os
 import re
@@ -12,8 +14,8 @@ from common.redis_server import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_stack_serves_the_client_cli_and_stops_on_ctrl_c(tmp_path, tiny_model):
-    port = free_port()
+def _start_stack(tmp_path, tiny_model, port: int) -> tuple[subprocess.Popen, list[str]]:
+    """The stack in a session of its own, read up to its "ready:" line."""
     stack = subprocess.Popen(
         [sys.executable, "-m", "stack", "--replicas", "2", "--port", str(port),
          "--metrics-port", str(free_port()), "--http-port", str(free_port()), "--model", str(tiny_model),
@@ -22,14 +24,32 @@ def test_stack_serves_the_client_cli_and_stops_on_ctrl_c(tmp_path, tiny_model):
         start_new_session=True,
     )
     lines = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = stack.stdout.readline()
+        if not line:
+            os.killpg(stack.pid, signal.SIGKILL)
+            raise AssertionError("stack exited early:\n" + "".join(lines))
+        lines.append(line)
+        if line.startswith("ready:"):
+            break
+    return stack, lines
+
+
+def _assert_nothing_left(port: int, lines: list[str]) -> None:
+    """Every child is gone with the stack: the router (--port P), the replicas
+    (--router 127.0.0.1:P) and Redis (its process title names 127.0.0.1:port).
+    pgrep exits 1 when nothing matches."""
+    redis_port = re.search(r"redis://127\.0\.0\.1:(\d+)", "".join(lines)).group(1)
+    for pattern in (f"--port {port}", f"127.0.0.1:{port}", f"127.0.0.1:{redis_port}"):
+        leftovers = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True)
+        assert leftovers.returncode == 1, f"still running: {leftovers.stdout}"
+
+
+def test_stack_serves_the_client_cli_and_stops_on_ctrl_c(tmp_path, tiny_model):
+    port = free_port()
+    stack, lines = _start_stack(tmp_path, tiny_model, port)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = stack.stdout.readline()
-            assert line, "stack exited early:\n" + "".join(lines)
-            lines.append(line)
-            if line.startswith("ready:"):
-                break
         assert any("embedded" in x for x in lines), "no --redis-url: an embedded Redis is started"
         client = subprocess.run(
             [sys.executable, "-m", "client", "--router", f"127.0.0.1:{port}", "café 東京",
@@ -46,10 +66,18 @@ def test_stack_serves_the_client_cli_and_stops_on_ctrl_c(tmp_path, tiny_model):
     finally:
         if stack.poll() is None:
             os.killpg(stack.pid, signal.SIGKILL)
-    # Every child is gone with the stack: the router (--port P), the replicas
-    # (--router 127.0.0.1:P) and Redis (its process title names 127.0.0.1:port).
-    # pgrep exits 1 when nothing matches.
-    redis_port = re.search(r"redis://127\.0\.0\.1:(\d+)", "".join(lines)).group(1)
-    for pattern in (f"--port {port}", f"127.0.0.1:{port}", f"127.0.0.1:{redis_port}"):
-        leftovers = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True)
-        assert leftovers.returncode == 1, f"still running: {leftovers.stdout}"
+    _assert_nothing_left(port, lines)
+
+
+def test_a_sigterm_to_the_whole_group_stops_every_process(tmp_path, tiny_model):
+    port = free_port()
+    stack, lines = _start_stack(tmp_path, tiny_model, port)
+    try:
+        os.killpg(stack.pid, signal.SIGTERM)
+        rest, _ = stack.communicate(timeout=60)
+        assert stack.returncode == 0, rest
+        assert "stopping" in rest
+    finally:
+        if stack.poll() is None:
+            os.killpg(stack.pid, signal.SIGKILL)
+    _assert_nothing_left(port, lines)
