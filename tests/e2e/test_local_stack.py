@@ -2,6 +2,7 @@
 Ctrl-C, and on a SIGTERM to its whole process group (what `timeout` and a container's
 stop send: every child gets it at once, and the stack still stops them in order)."""
 
+import contextlib
 import os
 import re
 import signal
@@ -14,8 +15,10 @@ from common.redis_server import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _start_stack(tmp_path, tiny_model, port: int) -> tuple[subprocess.Popen, list[str]]:
-    """The stack in a session of its own, read up to its "ready:" line."""
+@contextlib.contextmanager
+def _running_stack(tmp_path, tiny_model, port: int):
+    """The stack in a session of its own, read up to its "ready:" line; yields it and
+    the lines read, and kills its whole group on the way out if it still runs."""
     stack = subprocess.Popen(
         [sys.executable, "-m", "stack", "--replicas", "2", "--port", str(port),
          "--metrics-port", str(free_port()), "--http-port", str(free_port()), "--model", str(tiny_model),
@@ -24,16 +27,24 @@ def _start_stack(tmp_path, tiny_model, port: int) -> tuple[subprocess.Popen, lis
         start_new_session=True,
     )
     lines = []
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = stack.stdout.readline()
-        if not line:
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = stack.stdout.readline()
+            assert line, "stack exited early:\n" + "".join(lines)
+            lines.append(line)
+            if line.startswith("ready:"):
+                break
+        yield stack, lines
+    finally:
+        if stack.poll() is None:
             os.killpg(stack.pid, signal.SIGKILL)
-            raise AssertionError("stack exited early:\n" + "".join(lines))
-        lines.append(line)
-        if line.startswith("ready:"):
-            break
-    return stack, lines
+
+
+def _assert_stops_cleanly(stack) -> None:
+    rest, _ = stack.communicate(timeout=60)
+    assert stack.returncode == 0, rest
+    assert "stopping" in rest
 
 
 def _assert_nothing_left(port: int, lines: list[str]) -> None:
@@ -48,8 +59,7 @@ def _assert_nothing_left(port: int, lines: list[str]) -> None:
 
 def test_stack_serves_the_client_cli_and_stops_on_ctrl_c(tmp_path, tiny_model):
     port = free_port()
-    stack, lines = _start_stack(tmp_path, tiny_model, port)
-    try:
+    with _running_stack(tmp_path, tiny_model, port) as (stack, lines):
         assert any("embedded" in x for x in lines), "no --redis-url: an embedded Redis is started"
         client = subprocess.run(
             [sys.executable, "-m", "client", "--router", f"127.0.0.1:{port}", "café 東京",
@@ -60,24 +70,13 @@ def test_stack_serves_the_client_cli_and_stops_on_ctrl_c(tmp_path, tiny_model):
         assert "[length]" in client.stderr
         assert "output_tokens: 12" in client.stderr
         stack.send_signal(signal.SIGINT)
-        rest, _ = stack.communicate(timeout=60)
-        assert stack.returncode == 0, rest
-        assert "stopping" in rest
-    finally:
-        if stack.poll() is None:
-            os.killpg(stack.pid, signal.SIGKILL)
+        _assert_stops_cleanly(stack)
     _assert_nothing_left(port, lines)
 
 
 def test_a_sigterm_to_the_whole_group_stops_every_process(tmp_path, tiny_model):
     port = free_port()
-    stack, lines = _start_stack(tmp_path, tiny_model, port)
-    try:
+    with _running_stack(tmp_path, tiny_model, port) as (stack, lines):
         os.killpg(stack.pid, signal.SIGTERM)
-        rest, _ = stack.communicate(timeout=60)
-        assert stack.returncode == 0, rest
-        assert "stopping" in rest
-    finally:
-        if stack.poll() is None:
-            os.killpg(stack.pid, signal.SIGKILL)
+        _assert_stops_cleanly(stack)
     _assert_nothing_left(port, lines)
