@@ -1,6 +1,6 @@
 """The README's main job: `python -m stack` answers real requests and stops cleanly on
-Ctrl-C, and on a SIGTERM to its whole process group (what `timeout` and a container's
-stop send: every child gets it at once, and the stack still stops them in order)."""
+Ctrl-C, and on a SIGTERM to its whole process group (what `timeout` sends: every child
+gets it at once, and the stack still stops them all and exits 0)."""
 
 import contextlib
 import os
