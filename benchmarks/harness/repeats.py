@@ -33,23 +33,30 @@ def rows_of(result: dict, path: str):
         raise SystemExit(f"{path} is neither a compare nor a capacity result")
 
 
-def gather(inputs: list[str]) -> dict[str, dict[str, dict[str, list[float]]]]:
-    """label -> policy -> figure -> the values of every repeat."""
-    out: dict = {}
+def load(inputs: list[str]) -> list[tuple[str, str, dict]]:
+    """(label, path, result) of each LABEL=PATH (or PATH: label "all"), each file read once."""
+    out = []
     for item in inputs:
         label, _, path = item.partition("=") if "=" in item else ("", "", item)
-        for policy, row in rows_of(json.loads(Path(path).read_text()), path):
-            figures = out.setdefault(label or "all", {}).setdefault(policy, {})
+        out.append((label or "all", path, json.loads(Path(path).read_text())))
+    return out
+
+
+def gather(loaded: list[tuple[str, str, dict]]) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """label -> policy -> figure -> the values of every repeat."""
+    out: dict = {}
+    for label, path, result in loaded:
+        for policy, row in rows_of(result, path):
+            figures = out.setdefault(label, {}).setdefault(policy, {})
             for f in FIGURES:
                 if row.get(f) is not None:
                     figures.setdefault(f, []).append(row[f])
     return out
 
 
-def capacity_unit(inputs: list[str]) -> str:
-    """The unit of the inputs' rates (multi-turn counts conversations)."""
-    units = {rate_unit(json.loads(Path(item.partition("=")[2] or item).read_text())
-                       .get("workload", {}).get("workload")) for item in inputs}
+def capacity_unit(results: list[dict]) -> str:
+    """The unit of the results' rates (multi-turn counts conversations)."""
+    units = {rate_unit(r.get("workload", {}).get("workload")) for r in results}
     return units.pop() if len(units) == 1 else "req/s or conversations/s"
 
 
@@ -61,7 +68,8 @@ def summary(values: list[float]) -> dict:
 def main(out: str, inputs: list[str], title: str = "") -> int:
     stem = Path(out)
     stem.parent.mkdir(parents=True, exist_ok=True)
-    data = gather(inputs)
+    loaded = load(inputs)
+    data = gather(loaded)
     table = {label: {policy: {f: summary(v) for f, v in figs.items()} for policy, figs in by.items()}
              for label, by in data.items()}
     stem.with_suffix(".json").write_text(json.dumps(
@@ -77,7 +85,7 @@ def main(out: str, inputs: list[str], title: str = "") -> int:
                     s = figs.get(x)
                     cells += [f"{s[k]:.4f}" if s else "" for k in ("median", "min", "max")]
                 w.writerow([label, policy, n, *cells])
-    unit = capacity_unit(inputs)
+    unit = capacity_unit([result for _, _, result in loaded])
     for figure, ylabel in (("capacity_req_s", f"capacity ({unit})"), ("ttft_p50_s", "TTFT p50 (s)"),
                            ("ttft_p99_s", "TTFT p99 (s)"), ("engine_hit_rate", "engine prefix hit rate")):
         rows, spread = [], []

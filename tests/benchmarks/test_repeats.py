@@ -60,8 +60,11 @@ def test_capacity_of_multi_turn_runs_is_labelled_in_conversations(tmp_path):
                                     "workload": {"workload": workload}}))
         return str(path)
 
-    assert repeats.capacity_unit([f"a={capacity_json('a.json', 'multi-turn')}",
-                                  capacity_json("b.json", "multi-turn")]) == "conversations/s"
-    assert repeats.capacity_unit([capacity_json("c.json", "shared-prefix")]) == "req/s"
+    def unit(inputs):
+        return repeats.capacity_unit([result for _, _, result in repeats.load(inputs)])
+
+    assert unit([f"a={capacity_json('a.json', 'multi-turn')}",
+                 capacity_json("b.json", "multi-turn")]) == "conversations/s"
+    assert unit([capacity_json("c.json", "shared-prefix")]) == "req/s"
     mixed = [capacity_json("d.json", "multi-turn"), capacity_json("e.json", "shared-prefix")]
-    assert repeats.capacity_unit(mixed) == "req/s or conversations/s"
+    assert unit(mixed) == "req/s or conversations/s"
