@@ -62,6 +62,8 @@ class RouterConfig:
     pull_affinity_window: int = _POLICY_DEFAULTS.affinity_window
     pull_affinity_max_wait: float = _POLICY_DEFAULTS.affinity_max_wait
     pull_affinity_wait_weight: float = _POLICY_DEFAULTS.affinity_wait_weight
+    pull_affinity_balance_abs: int = _POLICY_DEFAULTS.affinity_balance_abs
+    pull_affinity_balance_rel: float = _POLICY_DEFAULTS.affinity_balance_rel
     cache_aware_balance_abs: int = _POLICY_DEFAULTS.balance_abs
     cache_aware_balance_rel: float = _POLICY_DEFAULTS.balance_rel
 
@@ -154,6 +156,9 @@ def _affinity_problems(c: RouterConfig) -> list[str]:
         problems.append("pull_affinity_max_wait must be positive")
     if not c.pull_affinity_wait_weight >= 0:
         problems.append("pull_affinity_wait_weight must be 0 or more")
+    if c.pull_affinity_balance_abs < 0 or not c.pull_affinity_balance_rel >= 1:
+        problems.append("pull_affinity_balance_abs must be 0 (off) or more and "
+                        "pull_affinity_balance_rel 1 or more")
     if c.cache_aware_balance_abs < 0 or not c.cache_aware_balance_rel >= 1:
         problems.append("cache_aware_balance_abs must be 0 or more and cache_aware_balance_rel 1 or more")
     return problems

@@ -39,6 +39,10 @@ def parse_args(argv=None):
     p.add_argument("--replica-gpus", default="",
                    help="comma-separated GPU indices; replica i sees only GPU i mod N "
                         "(CUDA_VISIBLE_DEVICES), so one host's GPUs each get a replica")
+    p.add_argument("--simulate", metavar="PROFILE", default="",
+                   help="simulated replicas (python -m replica_worker.sim): the real worker and "
+                        "scheduler, each step timed by this cost model profile instead of a model run, "
+                        "so every replica acts as a GPU of its own; --model gives only the config")
     p.add_argument("--replica-arg", action="append", default=[], help="extra flag for every replica")
     p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router")
     p.add_argument("--replica-metrics-port", type=int, default=0,
@@ -112,15 +116,19 @@ def start(a, log_dir: Path, model: str, children: list[Child], servers: list) ->
     for i in range(a.replicas):
         env = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if gpus else None
         metrics = ["--metrics-port", str(a.replica_metrics_port + i)] if a.replica_metrics_port else []
-        replica = Child(f"replica-{i}", ["-m", "replica_worker", "--router", address, "--model", model,
-                                         "--replica-id", f"replica-{i}", "--device", a.device,
-                                         "--scheduler", a.scheduler, *threads, *metrics, *a.replica_arg],
-                        log_dir, env)
+        if a.simulate:
+            kind = ["-m", "replica_worker.sim", "--profile", a.simulate]
+        else:
+            kind = ["-m", "replica_worker", "--device", a.device, *threads]
+        replica = Child(f"replica-{i}", [*kind, "--router", address, "--model", model,
+                                         "--replica-id", f"replica-{i}", "--scheduler", a.scheduler,
+                                         *metrics, *a.replica_arg], log_dir, env)
         children.append(replica)
+    where = f"simulated, profile {a.simulate}" if a.simulate else a.device
     for replica in children[1:]:
         wait_for_log(replica, "registered with router", timeout=180)
         gpu = replica.env.get("CUDA_VISIBLE_DEVICES")
-        print(f"{replica.name:<10} registered ({a.device}{f' GPU {gpu}' if gpu else ''}, {a.scheduler})")
+        print(f"{replica.name:<10} registered ({where}{f' GPU {gpu}' if gpu else ''}, {a.scheduler})")
 
 
 def main(argv=None) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
 import shlex
@@ -35,11 +36,16 @@ from benchmarks.harness.workload import (PREFIX_WORKLOADS, PRESETS, WorkloadSpec
 POLICY_VARIANTS = {
     "pull": ("pull", []),                                      # with affinity (the default)
     "pull_fifo": ("pull", ["--pull-affinity-window", "0"]),    # strict FIFO
+    # with affinity and a load term: cache_aware's default margins (8192 tokens, 1.5x)
+    "pull_balanced": ("pull", ["--pull-affinity-balance-abs", "8192"]),
     "round_robin": ("round_robin", []),
     "least_outstanding": ("least_outstanding", []),
     "cache_aware": ("cache_aware", []),
 }
 POLICIES = tuple(POLICY_VARIANTS)
+# What compare runs unless told: every router policy and strict FIFO (the load-term
+# variant only when named, so the documented commands keep their meaning).
+COMPARED_BY_DEFAULT = tuple(p for p in POLICIES if p != "pull_balanced")
 # Hit metrics for every policy, so they compare (hashing every prompt costs little).
 STACK_ROUTER_ARGS = ["--prefix-metrics", "all"]
 
@@ -145,9 +151,13 @@ def parse_args(argv=None):
     c.add_argument("--rel-tol", type=float, default=0.1)
     c.add_argument("--growth", type=float, default=2.0,
                    help="bracketing factor from --initial-rate (1.25: the initial rate is a good guess)")
+    c.add_argument("--cold-probes", action="store_true",
+                   help="with --start-stack: a fresh stack for every probe, so no probe starts with "
+                        "caches an earlier one filled (a workload replayed probe after probe, e.g. "
+                        "multi-turn, otherwise finds its histories cached)")
     m = sub.add_parser("compare", help="policies x loads")
     add_workload_args(m), add_target_args(m), add_slo_args(m), add_hw_args(m), add_output_args(m, "compare")
-    m.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    m.add_argument("--policies", nargs="+", default=list(COMPARED_BY_DEFAULT), choices=POLICIES)
     m.add_argument("--capacity", type=float,
                    help="the rate --loads are fractions of (req/s; conversations/s for multi-turn)")
     m.add_argument("--find-capacity", action="store_true", help="search it first with the first policy")
@@ -396,9 +406,10 @@ def target_desc(a, policy) -> dict:
             "device": a.device, "scheduler": a.scheduler, "replica_args": a.replica_arg}
 
 
-def find_capacity(a, target: Target, model, spec: WorkloadSpec, slo: M.SLO, out_dir: Path,
+def find_capacity(a, target: Target | None, model, spec: WorkloadSpec, slo: M.SLO, out_dir: Path,
                   num_requests: int | None = None, on_probe=None) -> dict:
-    """on_probe(partial result) after every probe: a search cut short still leaves its probes."""
+    """on_probe(partial result) after every probe: a search cut short still leaves its probes.
+    target None: each probe starts (and stops) a stack of its own (--cold-probes)."""
     probes = []
     rule = {"tbt_p99_s": slo.tbt_s, "sched_delay_p50_s": slo.sched_delay_p50_s, "keep_up": cap.KEEP_UP,
             "ttft_p99_s": slo.ttft_p99_s}
@@ -407,7 +418,8 @@ def find_capacity(a, target: Target, model, spec: WorkloadSpec, slo: M.SLO, out_
         sp = WorkloadSpec(**{**spec.describe(), "num_requests": num_requests or spec.num_requests})
         reqs = generate(sp, rate=rate)
         stem = f"{a.name}-probe-{rate:.3f}"
-        summary, _ = measured(target, a, model, reqs, f"probe {rate:.2f} {spec.rate_unit}", slo, out_dir, stem)
+        with contextlib.nullcontext(target) if target is not None else Target(a, model=model) as t:
+            summary, _ = measured(t, a, model, reqs, f"probe {rate:.2f} {spec.rate_unit}", slo, out_dir, stem)
         ok, why = cap.probe_passes(summary, slo.tbt_s, slo.sched_delay_p50_s, offered_rate=rate,
                                    ttft_p99_s=slo.ttft_p99_s)
         log(f"  probe {rate:.3f} {spec.rate_unit}: {'PASS' if ok else 'fail'} ({why})")
@@ -436,8 +448,13 @@ def cmd_capacity(a) -> int:
         plots.capacity_plot(summary_dir / f"{a.name}-capacity.png", {a.name: result}, slo.tbt_s,
                             cap.KEEP_UP, title=f"capacity search: {a.name}")
 
-    with Target(a, model=model) as t:
-        result = find_capacity(a, t, model, spec, slo, out_dir, on_probe=save)
+    if a.cold_probes:
+        if not a.start_stack:
+            raise SystemExit("--cold-probes starts a stack for every probe: give --start-stack")
+        result = find_capacity(a, None, model, spec, slo, out_dir, on_probe=save)
+    else:
+        with Target(a, model=model) as t:
+            result = find_capacity(a, t, model, spec, slo, out_dir, on_probe=save)
     save(result)
     return 0 if result["capacity_req_s"] else 1
 

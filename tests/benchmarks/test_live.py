@@ -81,3 +81,21 @@ def test_priming_caches_every_shared_prefix_before_the_measured_run(tmp_path):
         hits[label] = s["prefix_cache"]["engine_hit_tokens"]
     assert hits["primed"] == 6 * 64
     assert hits["cold"] <= 3 * 64
+
+
+def test_cold_probes_start_every_probe_with_empty_caches(tmp_path):
+    """--cold-probes: a stack of its own for each probe, so the second probe of a
+    multi-turn search (the same conversations again) finds no history cached from
+    the first: its hit rate stays where the first probe's is, not near all."""
+    cmd = [sys.executable, "-m", "benchmarks", "capacity", "--cold-probes", "--initial-rate", "2",
+           "--max-probes", "2", "--tbt-slo", "5", "--start-stack", "--replicas", "2", "--workload", "multi-turn",
+           "--conversations", "4", "--turns", "3", "--system-len", "0", "--prompt-dist", "uniform",
+           "--prompt-min", "40", "--prompt-max", "48", "--output-dist", "fixed", "--output-len", "8",
+           "--warmup", "0", "--hardware", "none", "--seed", "3", "--out-dir", str(tmp_path),
+           "--name", "cold", "--no-progress"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("starting stack") == 2, proc.stderr[-3000:]
+    first, second = (p["summary"]["prefix_cache"]["engine_hit_rate"]
+                     for p in json.loads((tmp_path / "cold.json").read_text())["probes"])
+    assert 0 < first < 0.9 and 0 < second < 0.9, (first, second)

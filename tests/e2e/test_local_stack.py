@@ -16,13 +16,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @contextlib.contextmanager
-def _running_stack(tmp_path, tiny_model, port: int):
+def _running_stack(tmp_path, tiny_model, port: int, *extra: str):
     """The stack in a session of its own, read up to its "ready:" line; yields it and
     the lines read, and kills its whole group on the way out if it still runs."""
     stack = subprocess.Popen(
         [sys.executable, "-m", "stack", "--replicas", "2", "--port", str(port),
          "--metrics-port", str(free_port()), "--http-port", str(free_port()), "--model", str(tiny_model),
-         "--log-dir", str(tmp_path)],
+         "--log-dir", str(tmp_path), *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )
@@ -78,5 +78,25 @@ def test_a_sigterm_to_the_whole_group_stops_every_process(tmp_path, tiny_model):
     port = free_port()
     with _running_stack(tmp_path, tiny_model, port) as (stack, lines):
         os.killpg(stack.pid, signal.SIGTERM)
+        _assert_stops_cleanly(stack)
+    _assert_nothing_left(port, lines)
+
+
+def test_the_stack_runs_simulated_replicas_on_request(tmp_path, tiny_model):
+    """--simulate PROFILE: the replicas are python -m replica_worker.sim, whose tokens
+    follow the simulator's rule (consecutive ids, replica_worker/sim/runner.py), not
+    the model's."""
+    port = free_port()
+    with _running_stack(tmp_path, tiny_model, port, "--simulate", "h200-8b") as (stack, lines):
+        assert sum("registered (simulated, profile h200-8b" in x for x in lines) == 2, "".join(lines)
+        client = subprocess.run(
+            [sys.executable, "-m", "client", "--router", f"127.0.0.1:{port}", "hello",
+             "--max-tokens", "5", "--ignore-eos", "--timings"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )
+        assert client.returncode == 0, client.stderr
+        ids = [int(t) for t in re.findall(r"<(\d+)>", client.stdout)]
+        assert len(ids) == 5 and all(b == a + 1 for a, b in zip(ids, ids[1:])), client.stdout
+        stack.send_signal(signal.SIGINT)
         _assert_stops_cleanly(stack)
     _assert_nothing_left(port, lines)

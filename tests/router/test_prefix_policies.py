@@ -197,6 +197,41 @@ def test_affinity_keeps_priorities_and_token_credit(redis_url, tiny_model, arun)
     arun(scenario())
 
 
+@pytest.mark.parametrize("balance_abs", [0, 100])
+def test_a_much_busier_holder_is_waited_for_only_with_the_balance_term_off(redis_url, tiny_model, arun,
+                                                                          balance_abs):
+    """r1 holds the prefix and runs a 230-token request that never finishes; r0
+    runs nothing. Both have a seat when a request sharing the prefix arrives, r0's
+    Pull the older. Off (the default), r0 leaves it to r1, which holds it; with
+    the balance term on, r1 is too far ahead of r0 (230 tokens over 0: more than
+    100 and more than 1.5x) to be waited for, and r0 takes it."""
+    async def scenario():
+        cfg = make_config(redis_url, tiny_model, pull_affinity_balance_abs=balance_abs, **HITS_DECIDE)
+        async with running_router(cfg) as app:
+            reps = Replicas(app.address, app.limits.vocab_size)
+            await reps.add("r0", auto_pull=False, prefix_cache=True)
+            await reps.add("r1", auto_pull=False, prefix_cache=True, cached=tuple(H16.hashes(SHARED)),
+                           hold_on_finish=True)
+            async with client(app.address) as stub:
+                reps["r1"].pull(1)
+                tasks = await submit_in_order(app, stub, [request([7] * 30, 200, request_id="busy")])
+                await wait_until(lambda: assigned_ids(reps["r1"]) == ["busy"])
+                assert app.table.load_of("r1") == 230 and app.table.load_of("r0") == 0
+                reps["r0"].pull(1)
+                await asyncio.sleep(0.05)
+                reps["r1"].pull(1)
+                await wait_until(lambda: all(app.scheduler.credit_of(r).requests == 1 for r in ("r0", "r1")))
+                tasks += await submit_in_order(app, stub, [request(with_shared([1]), 4, request_id="warm")])
+                await wait_until(lambda: "warm" in assigned_ids(reps["r0"]) + assigned_ids(reps["r1"]))
+                assert "warm" in assigned_ids(reps["r0" if balance_abs else "r1"])
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            await reps.close()
+
+    arun(scenario())
+
+
 def test_work_a_busy_holder_leaves_spills_over_once_it_has_waited_its_lead(redis_url, tiny_model, arun):
     """r1 holds the prefix but does not pull; r0 pulls once and is left waiting:
     nothing else happens, yet a second after its arrival (64 cached tokens at

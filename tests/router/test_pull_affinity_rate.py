@@ -96,3 +96,29 @@ def test_the_prefill_rate_counts_prefill_heavy_steps_only():
     rate.observe(num_tokens=1024, batch_size=8, step_time_s=0.1)
     assert rate.tokens_per_s == pytest.approx(5120 + 0.2 * (10240 - 5120))
     assert not rate.observe(num_tokens=512, batch_size=1, step_time_s=0.0)
+
+
+@pytest.mark.parametrize("balance_abs, r1_load, left_to_r1", [
+    (0, 10_000, True),     # off (the default): the holder is waited for whatever its load
+    (100, 10_000, False),  # r1 is 10,000 tokens over r0 (more than 100, and more than 1.5x)
+    (100, 90, True),       # within balance_abs of r0
+    (100, 160, True),      # over by more than 100, but not 1.5 times r0's 100
+])
+def test_the_balance_term_stops_waiting_for_a_much_busier_holder(monkeypatch, balance_abs, r1_load,
+                                                                 left_to_r1):
+    monkeypatch.setattr(pull_policy, "time", type("Clock", (), {"time": staticmethod(lambda: NOW)}))
+    index = PrefixIndex(1000)
+    index.replace("r0", H16, [])
+    index.replace("r1", H16, H16.hashes(SHARED))
+    ctx = Context(PrefixMatcher(index))
+    loads = {"r0": 0 if r1_load == 10_000 else 100, "r1": r1_load}
+    ctx.load_of = loads.__getitem__
+    policy = make_policy("pull", ctx, PolicySettings(affinity_max_wait=30.0, affinity_wait_weight=1.0,
+                                                     affinity_balance_abs=balance_abs,
+                                                     affinity_balance_rel=1.5))
+    queue(policy, Req("warm", SHARED + [1, 2], 0, NOW - 0.014))   # r1 leads by 64 ms of r0's prefill
+    choice = policy.choose(Replica("r0", 1000.0), "pending", 1, None, ["r1"])
+    if left_to_r1:
+        assert choice.picks == [] and choice.retry_in == pytest.approx(0.050)
+    else:
+        assert [r.id for r, _ in choice.picks] == ["warm"]

@@ -51,12 +51,18 @@ class PolicySettings:
     # twice, evicting others, which costs more than the prefill it redoes
     # (docs/router.md, "pull with affinity", as measured).
     affinity_wait_weight: float = 0.25
+    # pull: a holder this much busier than the puller (outstanding tokens over the
+    # puller's by more than abs, and more than rel times them) is not waited for;
+    # 0: off (holders are waited for whatever their load; docs/router.md).
+    affinity_balance_abs: int = 0
+    affinity_balance_rel: float = 1.5
     balance_abs: int = 8192            # cache_aware: outstanding tokens over the least loaded ...
     balance_rel: float = 1.5           # ... and this many times its load: least loaded instead
 
     @classmethod
     def from_config(cls, c) -> "PolicySettings":
         return cls(c.pull_affinity_window, c.pull_affinity_max_wait, c.pull_affinity_wait_weight,
+                   c.pull_affinity_balance_abs, c.pull_affinity_balance_rel,
                    c.cache_aware_balance_abs, c.cache_aware_balance_rel)
 
 

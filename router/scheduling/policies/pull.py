@@ -20,6 +20,13 @@ to be tried again when the first such request may be taken (Choice.retry_in).
 A request that has waited past `max_wait` is taken first, whatever the
 cache, in queue order.
 
+A holder much busier than the puller is not waited for, when the balance
+term is on (`--pull-affinity-balance-abs` > 0): outstanding tokens over the
+puller's by more than `balance_abs` and more than `balance_rel` times them,
+as cache_aware's rule reads. Without it a holder with free seats keeps every
+request it leads for, however many it runs, so at low load one replica can
+run everything while another idles (docs/router.md, "Placement at low load").
+
 The bound on reordering, against strict queue order (docs/router.md):
 a Pull only ever takes from the W oldest, and once a request has waited
 `max_wait` nothing behind it in the queue is taken before it. Nothing is
@@ -65,6 +72,7 @@ class PullPolicy(Policy):
             return None
         now = time.time()
         rate = s.affinity_wait_weight * (replica.prefill_tokens_per_s or UNMEASURED_PREFILL_TOKENS_PER_S)
+        waited_for = [replica.id, *self._not_too_busy(replica.id, others)]
         picks, retry_in = [], None
         # Priorities stay strict: each priority's requests are ranked among themselves.
         for start, end in _priority_runs(window):
@@ -75,7 +83,7 @@ class PullPolicy(Policy):
                 wait = now - req.arrival
                 if wait >= s.affinity_max_wait:
                     continue
-                hits = prefix.cached_tokens(req, (replica.id, *others))
+                hits = prefix.cached_tokens(req, waited_for)
                 mine = hits[replica.id]
                 lead = max(hits.values()) - mine
                 if lead > wait * rate:   # the holder's: it saves more than the request has waited
@@ -88,6 +96,17 @@ class PullPolicy(Policy):
             picks += overdue + [req for _, _, req in scored]
         taken = _within_credit(picks, seats, token_limit)
         return Choice(_reasons(window, taken, now, s.affinity_max_wait), retry_in if not taken else None)
+
+    def _not_too_busy(self, puller: str, others):
+        """The other replicas a request may be left to: all of them, or with the
+        balance term on, those not too far ahead of the puller in outstanding tokens."""
+        s = self.settings
+        if not s.affinity_balance_abs:
+            return list(others)
+        load = self.context.load_of
+        own = load(puller)
+        return [o for o in others
+                if not (load(o) - own > s.affinity_balance_abs and load(o) > s.affinity_balance_rel * own)]
 
 
 def _priority_runs(window):
