@@ -12,6 +12,8 @@
 #   bash benchmarks/prefix_sim.sh                        # the committed figures
 #   SEEDS=1 RATES=1 bash benchmarks/prefix_sim.sh        # one seed, one load
 #   PHASES=loads SEEDS=2 bash benchmarks/prefix_sim.sh   # the compare runs only
+#   CONVERSATIONS=128 PHASES=capacity SEEDS=1 POLICIES="pull pull_balanced" bash benchmarks/prefix_sim.sh
+#                                                        # more conversations than the caches hold
 #
 # Time is stretched: every modelled step lasts TIME_SCALE (4) times the cost model's
 # time, and the SLOs (p99 TBT 0.1 s, p99 TTFT 2 s, p50 scheduling delay 2 s) and pull's
@@ -43,21 +45,23 @@ stack=(--start-stack --replicas 2 --stack-arg=--simulate --stack-arg=h200-8b --m
        --router-arg=--pull-affinity-max-wait --router-arg="$(scaled 2)"
        --tbt-slo "$(scaled 0.1)" --ttft-p99-slo "$(scaled 2)" --sched-delay-slo "$(scaled 2)"
        --output-dist fixed --output-len 64 --no-progress --out-dir benchmarks/results/tmp/prefix_sim)
-chat=(--workload multi-turn --conversations 48 --turns 4 --system-len 1024 --prompt-dist uniform
+conversations=${CONVERSATIONS:-48}
+chat=(--workload multi-turn --conversations "$conversations" --turns 4 --system-len 1024 --prompt-dist uniform
       --prompt-min 512 --prompt-max 1536)
+wl=chat; [ "$conversations" = 48 ] || wl=chat$conversations   # result names
 bench() { flock /tmp/quadriga-bench.lock "$PY" -m benchmarks "$@"; }
 done_already() { [ -f "$OUT/$1.json" ]; }   # the script can be resumed
 mkdir -p "$OUT"
 PHASES=${PHASES:-"loads capacity"}
 for seed in $SEEDS; do
   if [[ " $PHASES " == *" loads "* ]]; then for rate in $RATES; do
-    name=chat_rate${rate}_seed${seed}
+    name=${wl}_rate${rate}_seed${seed}
     # shellcheck disable=SC2086   # POLICIES is a list
     done_already "$name" || bench compare "${stack[@]}" "${chat[@]}" --policies $POLICIES --rates "$rate" \
       --seed "$seed" --name "$name" --summary-dir "$OUT"
   done; fi
   if [[ " $PHASES " == *" capacity "* ]]; then for policy in $POLICIES; do
-    name=chat_cap_${policy}_seed${seed}
+    name=${wl}_cap_${policy}_seed${seed}
     done_already "$name" || bench capacity "${stack[@]}" "${chat[@]}" --policy "$policy" \
       --cold-probes --initial-rate "${CAP_FROM:-2}" --growth 1.3 --max-probes 6 --rel-tol 0.06 --seed "$seed" \
       --name "$name" --summary-dir "$OUT"
