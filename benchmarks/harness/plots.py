@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks.harness.workload import rate_unit  # noqa: E402
+from benchmarks.harness.workload import results_rate_unit  # noqa: E402
 
 DPI = 100
 
@@ -119,8 +119,7 @@ def capacity_plot(path: Path, searches: dict[str, dict], tbt_slo: float, keep_up
     panels = ((tbt_ax, lambda s: s["tbt_s"]["p99"]),
               (adm_ax, lambda s: (s["admitted_req_s"] / s["offered_req_s"]
                                   if s.get("admitted_req_s") and s.get("offered_req_s") else None)))
-    units = {rate_unit(r.get("workload", {}).get("workload")) for r in searches.values()}
-    unit = units.pop() if len(units) == 1 else "req/s or conversations/s"
+    unit = results_rate_unit(searches.values())
     for i, (label, result) in enumerate(searches.items()):
         color = f"C{i % 10}"
         probes = sorted(result.get("probes", []), key=lambda p: p["rate"])

@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.harness import plots
-from benchmarks.harness.workload import rate_unit
+from benchmarks.harness.workload import results_rate_unit
 
 FIGURES = ("capacity_req_s", "ttft_p50_s", "ttft_p99_s", "tbt_p99_s", "throughput_req_s",
            "engine_hit_rate", "router_hit_rate", "oracle_hit_rate")
@@ -54,12 +54,6 @@ def gather(loaded: list[tuple[str, str, dict]]) -> dict[str, dict[str, dict[str,
     return out
 
 
-def capacity_unit(results: list[dict]) -> str:
-    """The unit of the results' rates (multi-turn counts conversations)."""
-    units = {rate_unit(r.get("workload", {}).get("workload")) for r in results}
-    return units.pop() if len(units) == 1 else "req/s or conversations/s"
-
-
 def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "n": len(values), "values": values}
@@ -85,7 +79,7 @@ def main(out: str, inputs: list[str], title: str = "") -> int:
                     s = figs.get(x)
                     cells += [f"{s[k]:.4f}" if s else "" for k in ("median", "min", "max")]
                 w.writerow([label, policy, n, *cells])
-    unit = capacity_unit([result for _, _, result in loaded])
+    unit = results_rate_unit(result for _, _, result in loaded)
     for figure, ylabel in (("capacity_req_s", f"capacity ({unit})"), ("ttft_p50_s", "TTFT p50 (s)"),
                            ("ttft_p99_s", "TTFT p99 (s)"), ("engine_hit_rate", "engine prefix hit rate")):
         rows, spread = [], []

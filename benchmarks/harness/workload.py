@@ -211,6 +211,13 @@ def rate_unit(workload: str | None) -> str:
     return "conversations/s" if workload == "multi-turn" else "req/s"
 
 
+def results_rate_unit(results) -> str:
+    """The unit of the rates of saved results (their JSON's workload), one for all,
+    or both names when they differ."""
+    units = {rate_unit(r.get("workload", {}).get("workload")) for r in results}
+    return units.pop() if len(units) == 1 else "req/s or conversations/s"
+
+
 def generate(spec: WorkloadSpec, rate: float | None = None) -> list[Request]:
     """Lengths depend only on the seed, not on the rate, so probes at different rates
     (capacity search) and runs per policy offer the very same requests."""

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from benchmarks.harness import repeats
+from benchmarks.harness.workload import results_rate_unit
 
 
 def compare_json(path, rows: dict) -> str:
@@ -61,7 +62,7 @@ def test_capacity_of_multi_turn_runs_is_labelled_in_conversations(tmp_path):
         return str(path)
 
     def unit(inputs):
-        return repeats.capacity_unit([result for _, _, result in repeats.load(inputs)])
+        return results_rate_unit(result for _, _, result in repeats.load(inputs))
 
     assert unit([f"a={capacity_json('a.json', 'multi-turn')}",
                  capacity_json("b.json", "multi-turn")]) == "conversations/s"
