@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front door: FastAPI on the router's own event loop
 (uvicorn, as vLLM serves it), beside gRPC, over the same request path.
 
-  POST /v1/completions   POST /v1/chat/completions   GET /v1/models   GET /health
+  POST /v1/completions   POST /v1/chat/completions   GET /v1/models[/{id}]   GET /health
 
 Streaming is server-sent events ending with `data: [DONE]`. Errors use
 OpenAI's JSON shape and the status the gRPC code maps to (400, 401, 404, 409,
@@ -26,6 +26,7 @@ from fastapi.datastructures import Headers
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.auth import key_matches
 from router.frontends import openai_render as render
@@ -45,7 +46,7 @@ STATUS = {
     grpc.StatusCode.INTERNAL: 500,
 }
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
                503: "unavailable_error", 500: "internal_error"}
 
 
@@ -54,8 +55,8 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
                       "param": param, "code": status}}
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status_code=status)
+def error_response(status: int, message: str, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
 
 
 def describe_validation_error(err: RequestValidationError) -> str:
@@ -167,12 +168,20 @@ class OpenAIFrontend:
             self.metrics.rejections.labels("invalid_argument").inc()
             return error_response(400, describe_validation_error(err))
 
+        @app.exception_handler(StarletteHTTPException)
+        async def framework_error(request, err: StarletteHTTPException):
+            # An unknown path (404) or method (405): the framework's own answers, in
+            # OpenAI's shape like every other error here, so SDKs can read them.
+            return error_response(err.status_code, f"{request.method} {request.url.path}: "
+                                  f"{err.detail}", headers=err.headers)
+
         if self.keys:
             app.add_middleware(_RequireApiKey, keys=self.keys,
                                on_reject=self.metrics.rejections.labels("client_auth").inc)
 
         app.get("/health")(self.health)
         app.get("/v1/models")(self.models)
+        app.get("/v1/models/{model_id:path}")(self.model)
         # The two hot endpoints are plain Starlette routes: they take the raw
         # request and answer with a Response, so FastAPI's per-call dependency
         # solving and response handling would do nothing but cost.
@@ -186,9 +195,16 @@ class OpenAIFrontend:
         return {"status": "ok"}
 
     async def models(self):
-        return {"object": "list", "data": [{
-            "id": self.config.served_model_name, "object": "model", "created": 0,
-            "owned_by": "quadriga", "max_model_len": self.limits.max_model_len}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model_id: str):
+        """GET /v1/models/{id}: the SDK's models.retrieve."""
+        self._check_model(model_id)
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.config.served_model_name, "object": "model", "created": 0,
+                "owned_by": "quadriga", "max_model_len": self.limits.max_model_len}
 
     def _check_model(self, model: str | None) -> None:
         served = self.config.served_model_name

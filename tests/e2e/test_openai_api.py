@@ -62,9 +62,21 @@ def greedy_text(tiny_model, tok, prompt_ids, n):
     return tok.decode(hf_greedy(str(tiny_model), [list(prompt_ids)], n)[0])
 
 
-def test_models_and_health(stack):
-    assert sdk_models(stack) == [stack.model.rsplit("/", 1)[-1]]
+def test_models_and_health(stack, sdk):
+    name = stack.model.rsplit("/", 1)[-1]
+    assert sdk_models(stack) == [name]
+    assert sdk.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        sdk.models.retrieve("another-model")
     assert httpx.get(base(stack) + "/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("method, path, status", [("GET", "/v1/embeddings", 404),
+                                                  ("GET", "/v1/completions", 405)])
+def test_unknown_routes_answer_in_openais_error_shape(stack, method, path, status):
+    r = httpx.request(method, base(stack) + path)
+    assert r.status_code == status
+    assert path in r.json()["error"]["message"] and r.json()["error"]["code"] == status
 
 
 def test_completion_equals_transformers_greedy(stack, sdk, tiny_model, tok):
