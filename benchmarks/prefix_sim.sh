@@ -14,6 +14,18 @@
 #   PHASES=loads SEEDS=2 bash benchmarks/prefix_sim.sh   # the compare runs only
 #   CONVERSATIONS=128 PHASES=capacity SEEDS=1 POLICIES="pull pull_balanced" bash benchmarks/prefix_sim.sh
 #                                                        # more conversations than the caches hold
+#   WORKLOAD=shared SHARED_DEVICE=1 PHASES=capacity SEEDS=1 TIME_SCALE=2 \
+#     POLICIES="pull cache_aware round_robin" FROM_pull=4 FROM_cache_aware=2.3 FROM_round_robin=1.2 \
+#     bash benchmarks/prefix_sim.sh                      # the H200 shared-prefix setup, one modelled GPU
+#
+# SHARED_DEVICE=1: the two replicas share ONE modelled GPU (--shared-device: their steps
+# run one at a time), as the two replicas of the GPU prefix runs share one card
+# (benchmarks/gpu/run_prefix_affinity.sh); result names end in _shared_device.
+# WORKLOAD=shared: that script's H200 shared-prefix workload (64 groups of a
+# 4096-token system prompt, 6 questions of 128-512 tokens, 11,320 KV blocks a replica),
+# each search on one stack with the caches primed (--prime), as the H200 searches ran;
+# chat (the default) probes each on a fresh stack (--cold-probes, below).
+# FROM_<policy> starts that policy's search (default CAP_FROM, 2).
 #
 # Time is stretched: every modelled step lasts TIME_SCALE (4) times the cost model's
 # time, and the SLOs (p99 TBT 0.1 s, p99 TTFT 2 s, p50 scheduling delay 2 s) and pull's
@@ -38,9 +50,21 @@ TS=${TIME_SCALE:-4}
 MODEL=${MODEL:-benchmarks/results/tmp/llama-3.1-8b}
 [ -f "$MODEL/config.json" ] || "$PY" -m benchmarks model-dir "$MODEL" --shape llama-3.1-8b >/dev/null
 scaled() { "$PY" -c "print($1 * $TS)"; }
+WORKLOAD=${WORKLOAD:-chat}
+device=(); suffix=""
+if [ -n "${SHARED_DEVICE:-}" ]; then
+  mkdir -p benchmarks/results/tmp/prefix_sim
+  device=(--replica-arg=--shared-device --replica-arg="$PWD/benchmarks/results/tmp/prefix_sim/device.lock")
+  suffix=_shared_device
+fi
+case $WORKLOAD in
+  chat) blocks=8642; probes=(--cold-probes) ;;
+  shared) blocks=11320; probes=(--prime) ;;
+  *) echo "WORKLOAD is chat or shared, not $WORKLOAD" >&2; exit 2 ;;
+esac
 stack=(--start-stack --replicas 2 --stack-arg=--simulate --stack-arg=h200-8b --model "$MODEL"
-       --hardware none --replica-arg=--time-scale --replica-arg="$TS"
-       --replica-arg=--num-blocks --replica-arg=8642 --replica-arg=--max-num-seqs --replica-arg=256
+       --hardware none --replica-arg=--time-scale --replica-arg="$TS" "${device[@]}"
+       --replica-arg=--num-blocks --replica-arg="$blocks" --replica-arg=--max-num-seqs --replica-arg=256
        --replica-arg=--chunk-size --replica-arg=2048
        --router-arg=--pull-affinity-max-wait --router-arg="$(scaled 2)"
        --tbt-slo "$(scaled 0.1)" --ttft-p99-slo "$(scaled 2)" --sched-delay-slo "$(scaled 2)"
@@ -49,6 +73,11 @@ conversations=${CONVERSATIONS:-48}
 chat=(--workload multi-turn --conversations "$conversations" --turns 4 --system-len 1024 --prompt-dist uniform
       --prompt-min 512 --prompt-max 1536)
 wl=chat; [ "$conversations" = 48 ] || wl=chat$conversations   # result names
+shared=(--workload shared-prefix --groups 64 --questions 6 --system-len 4096 --prompt-dist uniform
+        --prompt-min 128 --prompt-max 512)
+shape=("${chat[@]}")
+if [ "$WORKLOAD" = shared ]; then shape=("${shared[@]}"); wl=shared; fi
+wl=$wl$suffix
 bench() { flock /tmp/quadriga-bench.lock "$PY" -m benchmarks "$@"; }
 done_already() { [ -f "$OUT/$1.json" ]; }   # the script can be resumed
 mkdir -p "$OUT"
@@ -57,14 +86,15 @@ for seed in $SEEDS; do
   if [[ " $PHASES " == *" loads "* ]]; then for rate in $RATES; do
     name=${wl}_rate${rate}_seed${seed}
     # shellcheck disable=SC2086   # POLICIES is a list
-    done_already "$name" || bench compare "${stack[@]}" "${chat[@]}" --policies $POLICIES --rates "$rate" \
+    done_already "$name" || bench compare "${stack[@]}" "${shape[@]}" --policies $POLICIES --rates "$rate" \
       --seed "$seed" --name "$name" --summary-dir "$OUT"
   done; fi
   if [[ " $PHASES " == *" capacity "* ]]; then for policy in $POLICIES; do
     name=${wl}_cap_${policy}_seed${seed}
-    done_already "$name" || bench capacity "${stack[@]}" "${chat[@]}" --policy "$policy" \
-      --cold-probes --initial-rate "${CAP_FROM:-2}" --growth 1.3 --max-probes 6 --rel-tol 0.06 --seed "$seed" \
-      --name "$name" --summary-dir "$OUT"
+    from_var=FROM_$policy
+    done_already "$name" || bench capacity "${stack[@]}" "${shape[@]}" --policy "$policy" \
+      "${probes[@]}" --initial-rate "${!from_var:-${CAP_FROM:-2}}" --growth "${GROWTH:-1.3}" \
+      --max-probes "${MAX_PROBES:-6}" --rel-tol 0.06 --seed "$seed" --name "$name" --summary-dir "$OUT"
   done; fi
 done
 rm -f "$OUT"/*.png

@@ -28,6 +28,7 @@ class SimConfig:
     eos_token_id: int | None = None  # None: no token ends a request by itself
     scheduler: str = "sarathi"
     time_scale: float = 1.0          # multiplies every modelled step time
+    shared_device: str = ""          # lock file of a device shared with other replicas; "": its own
     prefetch: int = 0
     drain_timeout_s: float = 30.0
     metrics_port: int = 0            # replica i serves on metrics_port + i; 0: none
@@ -95,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> SimConfig:
     p.add_argument("--block-size", type=int)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiplies modelled step times")
+    p.add_argument("--shared-device", default=_env("SIM_SHARED_DEVICE", ""), metavar="LOCK_FILE",
+                   help="replicas naming one lock file share one modelled device: their steps run one "
+                        "at a time, as two replicas on one GPU time-share it (default: a device each)")
     p.add_argument("--prefetch", type=int, default=0)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--metrics-port", type=int, default=0, help="first replica's Prometheus port; 0: none")
@@ -114,7 +118,8 @@ def parse_args(argv: list[str] | None = None) -> SimConfig:
         vocab_size=a.vocab_size or facts.get("vocab_size"),
         max_model_len=a.max_model_len or facts.get("max_model_len"),
         eos_token_id=facts.get("eos_token_id"),
-        scheduler=a.scheduler, time_scale=a.time_scale, prefetch=a.prefetch,
+        scheduler=a.scheduler, time_scale=a.time_scale, shared_device=a.shared_device,
+        prefetch=a.prefetch,
         drain_timeout_s=a.drain_timeout, metrics_port=a.metrics_port,
         auth_token=_env("REPLICA_TOKEN", ""),  # secrets from the environment only (argv shows in ps)
         tls_ca_file=a.tls_ca_file, engine_args=tuple(sorted(engine_args.items())),

@@ -16,6 +16,7 @@ from replica_worker.engine.core import EngineCore
 from replica_worker.engine.llm import engine_config
 from replica_worker.sim.cost_model import Profile
 from replica_worker.sim.runner import SimulatedRunner
+from replica_worker.sim.shared_device import SharedDevice
 
 
 class RuleTokenizer:
@@ -49,11 +50,11 @@ class SimulatedEngine(EngineCore):
     @classmethod
     def from_profile(cls, profile: Profile, scheduler: str = "sarathi", *, vocab_size: int | None = None,
                      eos_token_id: int | None = None, time_scale: float = 1.0, record: bool = False,
-                     **engine_kwargs) -> "SimulatedEngine":
+                     shared_device: SharedDevice | None = None, **engine_kwargs) -> "SimulatedEngine":
         config = simulated_engine_config(profile, scheduler, **engine_kwargs)
         runner = SimulatedRunner(
             profile.cost, num_blocks=config.cache.num_blocks, max_model_len=config.model.max_model_len,
             vocab_size=vocab_size or profile.vocab_size,
             eos_token_id=eos_token_id,
-            time_scale=time_scale, record=record)
+            time_scale=time_scale, record=record, shared_device=shared_device)
         return cls(config, runner)

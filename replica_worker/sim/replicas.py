@@ -9,6 +9,7 @@ import logging
 from replica_worker.sim.config import SimConfig
 from replica_worker.sim.cost_model import Profile, load_profile
 from replica_worker.sim.engine import SimulatedEngine
+from replica_worker.sim.shared_device import SharedDevice
 from replica_worker.worker.app import worker_for
 from replica_worker.worker.client import ReplicaWorker
 
@@ -19,18 +20,20 @@ def build_engine(config: SimConfig, profile: Profile) -> SimulatedEngine:
     kwargs = dict(config.engine_args)
     if config.max_model_len is not None:
         kwargs["max_model_len"] = config.max_model_len
+    shared = SharedDevice(config.shared_device) if config.shared_device else None
     return SimulatedEngine.from_profile(profile, config.scheduler, vocab_size=config.vocab_size,
                                         eos_token_id=config.eos_token_id, time_scale=config.time_scale,
-                                        **kwargs)
+                                        shared_device=shared, **kwargs)
 
 
 def build_workers(config: SimConfig) -> list[ReplicaWorker]:
     profile = load_profile(config.profile, config.profiles_file)
     engines = [build_engine(config, profile) for _ in config.replica_ids()]
     workers = [worker_for(config.worker_config(i), engine) for i, engine in enumerate(engines)]
-    log.info("%d simulated replicas ready: profile %s, %d KV blocks of %d, scheduler %s",
+    log.info("%d simulated replicas ready: profile %s, %d KV blocks of %d, scheduler %s%s",
              len(engines), profile.name, engines[0].runner.num_blocks,
-             engines[0].config.cache.block_size, config.scheduler)
+             engines[0].config.cache.block_size, config.scheduler,
+             f", sharing the device of {config.shared_device}" if config.shared_device else "")
     return workers
 
 

@@ -4,16 +4,19 @@ batch would take, and samples tokens by a fixed rule.
 Output token i of a request (resumed tokens counted) is (sum(prompt) + i) % vocab,
 the rule of tests/support/scripted_replica.py, so a client can check every token.
 The wait is time.sleep, which holds no GIL: many simulated replicas share a
-host's cores, each costing only its scheduler's work.
+host's cores, each costing only its scheduler's work. With a SharedDevice the
+wait is taken under its lock, so replicas sharing it step one at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 from replica_worker.engine.sampler import SamplerOutput
 from replica_worker.sim.cost_model import CostModel, StepFeatures, features_of
+from replica_worker.sim.shared_device import SharedDevice
 
 
 def rule_token(prompt_token_ids, index: int, vocab_size: int) -> int:
@@ -39,10 +42,12 @@ class SimulatedRunner:
 
     time_scale multiplies every wait (0: no waiting, for replaying schedules
     faster than real time). record=True keeps every step's ScheduledStep in
-    `steps` (for comparing schedules; it grows without bound)."""
+    `steps` (for comparing schedules; it grows without bound). shared_device: the
+    device this replica shares with others (None: a device of its own)."""
 
     def __init__(self, cost: CostModel, *, num_blocks: int, max_model_len: int, vocab_size: int,
-                 eos_token_id: int | None = None, time_scale: float = 1.0, record: bool = False):
+                 eos_token_id: int | None = None, time_scale: float = 1.0, record: bool = False,
+                 shared_device: SharedDevice | None = None):
         if time_scale < 0:
             raise ValueError("time_scale must be non-negative")
         self.cost = cost
@@ -54,6 +59,7 @@ class SimulatedRunner:
         self.totals = StepFeatures()
         self.modelled_s = 0.0  # sum of every step's modelled time
         self.steps: list[ScheduledStep] | None = [] if record else None
+        self.shared_device = shared_device
 
     def set_eos_token_ids(self, ids) -> None:
         """Rule tokens are not sampled: nothing masks EOS."""
@@ -74,5 +80,6 @@ class SimulatedRunner:
             for c in chunks if c.seq.num_computed_tokens + c.num_tokens == c.seq.num_tokens
         ]
         if self.time_scale:
-            time.sleep(seconds * self.time_scale)
+            with self.shared_device or contextlib.nullcontext():
+                time.sleep(seconds * self.time_scale)
         return SamplerOutput(sampled, None)
