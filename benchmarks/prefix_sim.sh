@@ -18,8 +18,9 @@
 #     POLICIES="pull cache_aware round_robin" FROM_pull=4 FROM_cache_aware=2.3 FROM_round_robin=1.2 \
 #     bash benchmarks/prefix_sim.sh                      # the H200 shared-prefix setup, one modelled GPU
 #
-# SHARED_DEVICE=1: the two replicas share ONE modelled GPU (--shared-device: their steps
-# run one at a time), as the two replicas of the GPU prefix runs share one card
+# SHARED_DEVICE=1: the two replicas share ONE modelled GPU (--shared-device: while both
+# are in a step, each advances at half speed), as the two replicas of the GPU prefix runs
+# share one card
 # (benchmarks/gpu/run_prefix_affinity.sh); result names end in _shared_device.
 # WORKLOAD=shared: that script's H200 shared-prefix workload (64 groups of a
 # 4096-token system prompt, 6 questions of 128-512 tokens, 11,320 KV blocks a replica),
@@ -54,7 +55,7 @@ WORKLOAD=${WORKLOAD:-chat}
 device=(); suffix=""
 if [ -n "${SHARED_DEVICE:-}" ]; then
   mkdir -p benchmarks/results/tmp/prefix_sim
-  device=(--replica-arg=--shared-device --replica-arg="$PWD/benchmarks/results/tmp/prefix_sim/device.lock")
+  device=(--replica-arg=--shared-device --replica-arg="$PWD/benchmarks/results/tmp/prefix_sim/device")
   suffix=_shared_device
 fi
 case $WORKLOAD in

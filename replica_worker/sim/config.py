@@ -28,7 +28,7 @@ class SimConfig:
     eos_token_id: int | None = None  # None: no token ends a request by itself
     scheduler: str = "sarathi"
     time_scale: float = 1.0          # multiplies every modelled step time
-    shared_device: str = ""          # lock file of a device shared with other replicas; "": its own
+    shared_device: str = ""          # file of a device shared with other replicas; "": its own
     prefetch: int = 0
     drain_timeout_s: float = 30.0
     metrics_port: int = 0            # replica i serves on metrics_port + i; 0: none
@@ -96,9 +96,9 @@ def parse_args(argv: list[str] | None = None) -> SimConfig:
     p.add_argument("--block-size", type=int)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiplies modelled step times")
-    p.add_argument("--shared-device", default=_env("SIM_SHARED_DEVICE", ""), metavar="LOCK_FILE",
-                   help="replicas naming one lock file share one modelled device: their steps run one "
-                        "at a time, as two replicas on one GPU time-share it (default: a device each)")
+    p.add_argument("--shared-device", default=_env("SIM_SHARED_DEVICE", ""), metavar="FILE",
+                   help="replicas naming one file share one modelled device: while n of them are in a "
+                        "step, each advances at 1/n, as processes time-share one GPU (default: a device each)")
     p.add_argument("--prefetch", type=int, default=0)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--metrics-port", type=int, default=0, help="first replica's Prometheus port; 0: none")

@@ -5,12 +5,11 @@ Output token i of a request (resumed tokens counted) is (sum(prompt) + i) % voca
 the rule of tests/support/scripted_replica.py, so a client can check every token.
 The wait is time.sleep, which holds no GIL: many simulated replicas share a
 host's cores, each costing only its scheduler's work. With a SharedDevice the
-wait is taken under its lock, so replicas sharing it step one at a time.
+wait is shared: while n replicas sharing it are in a step, each advances at 1/n.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -79,7 +78,8 @@ class SimulatedRunner:
             rule_token(c.seq.prompt_token_ids, c.seq.num_output_tokens, self.vocab_size)
             for c in chunks if c.seq.num_computed_tokens + c.num_tokens == c.seq.num_tokens
         ]
-        if self.time_scale:
-            with self.shared_device or contextlib.nullcontext():
-                time.sleep(seconds * self.time_scale)
+        if self.shared_device is not None:
+            self.shared_device.run_step(seconds, self.time_scale)
+        elif self.time_scale:
+            time.sleep(seconds * self.time_scale)
         return SamplerOutput(sampled, None)
