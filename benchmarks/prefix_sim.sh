@@ -15,13 +15,12 @@
 #   CONVERSATIONS=128 PHASES=capacity SEEDS=1 POLICIES="pull pull_balanced" bash benchmarks/prefix_sim.sh
 #                                                        # more conversations than the caches hold
 #   WORKLOAD=shared SHARED_DEVICE=1 PHASES=capacity SEEDS=1 TIME_SCALE=2 \
-#     POLICIES="pull cache_aware round_robin" FROM_pull=4 FROM_cache_aware=2.3 FROM_round_robin=1.2 \
-#     bash benchmarks/prefix_sim.sh                      # the H200 shared-prefix setup, one modelled GPU
+#     POLICIES="cache_aware round_robin pull" FROM_pull=5 FROM_cache_aware=4 FROM_round_robin=2.2 \
+#     GROWTH=1.2 MAX_PROBES=4 bash benchmarks/prefix_sim.sh   # the H200 shared-prefix setup, one modelled GPU
 #
 # SHARED_DEVICE=1: the two replicas share ONE modelled GPU (--shared-device: while both
 # are in a step, each advances at half speed), as the two replicas of the GPU prefix runs
-# share one card
-# (benchmarks/gpu/run_prefix_affinity.sh); result names end in _shared_device.
+# share one card (benchmarks/gpu/run_prefix_affinity.sh); result names end in _shared_device.
 # WORKLOAD=shared: that script's H200 shared-prefix workload (64 groups of a
 # 4096-token system prompt, 6 questions of 128-512 tokens, 11,320 KV blocks a replica),
 # each search on one stack with the caches primed (--prime), as the H200 searches ran;

@@ -102,7 +102,3 @@ class SharedDevice:
                 now = time.monotonic()
                 left -= (now - last) / time_scale / n
                 last = now
-
-    def close(self) -> None:
-        _SLOT.pack_into(self._map, self.slot * _SLOT.size, 0, 0)
-        self._map.close()

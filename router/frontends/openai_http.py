@@ -46,8 +46,8 @@ STATUS = {
     grpc.StatusCode.INTERNAL: 500,
 }
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
-               503: "unavailable_error", 500: "internal_error"}
+               405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 503: "unavailable_error", 500: "internal_error"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
