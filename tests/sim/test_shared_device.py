@@ -17,10 +17,9 @@ from replica_worker.sim.shared_device import SharedDevice
 STEP_S = 0.4
 
 
-def _one_step(path: str, start_at: float, out) -> None:
+def _one_step(path: str, start, out) -> None:
     device = SharedDevice(path)
-    while time.monotonic() < start_at:   # CLOCK_MONOTONIC: one clock for every process
-        time.sleep(0.001)
+    start.wait(60)   # every process up (a spawned one may take seconds to import), then at once
     t0 = time.monotonic()
     device.run_step(STEP_S, 1.0)
     out.append(time.monotonic() - t0)
@@ -30,8 +29,8 @@ def _steps_at_once(path: str, processes: int) -> list[float]:
     ctx = multiprocessing.get_context("spawn")
     with multiprocessing.Manager() as manager:
         out = manager.list()
-        start_at = time.monotonic() + 2.0   # after every spawned interpreter is up
-        procs = [ctx.Process(target=_one_step, args=(path, start_at, out)) for _ in range(processes)]
+        start = ctx.Barrier(processes)
+        procs = [ctx.Process(target=_one_step, args=(path, start, out)) for _ in range(processes)]
         for p in procs:
             p.start()
         for p in procs:
