@@ -41,8 +41,9 @@ def parse_args(argv=None):
                         "(CUDA_VISIBLE_DEVICES), so one host's GPUs each get a replica")
     p.add_argument("--simulate", metavar="PROFILE", default="",
                    help="simulated replicas (python -m replica_worker.sim): the real worker and "
-                        "scheduler, each step timed by this cost model profile instead of a model run, "
-                        "so every replica acts as a GPU of its own; --model gives only the config")
+                        "scheduler, each step timed by this cost model profile instead of a model run; "
+                        "each acts as a GPU of its own unless they are given one "
+                        "--replica-arg=--shared-device=FILE; --model gives only the config")
     p.add_argument("--replica-arg", action="append", default=[], help="extra flag for every replica")
     p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router")
     p.add_argument("--replica-metrics-port", type=int, default=0,
