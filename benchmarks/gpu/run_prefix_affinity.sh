@@ -20,7 +20,8 @@
 # Each phase is two capacity searches of at most BUDGET_S (default 215) seconds each,
 # stack start included, so a phase ends within 9 minutes (a cut search keeps the probes
 # it finished; its JSON says "complete": false). Results: OUT_DIR/<card>_prefix_<workload>_
-# <policy>_cache<on|off>.json (every probe, the harness command), its PNG, the log; <card>
+# <policy>_cache<on|off>.json (every probe, the harness command), its PNG, the log, the
+# GPU's clocks (.gpu.csv); <card>
 # is the GPU the run is on (h200, h100; gpu for another; cpu in a dry run).
 # Gather them with `python -m benchmarks repeats --out OUT_DIR/<card>_prefix LABEL=JSON ...`.
 #
@@ -91,6 +92,18 @@ if [ -z "${NUM_BLOCKS:-}" ]; then
 fi
 echo "two replicas on GPU 0, $NUM_BLOCKS KV blocks (16 tokens) each"
 
+# The GPU's clock, temperature and power every 5 s while a search runs (OUT/<name>.gpu.csv):
+# a search run second in a call has passed lower rates than the same policy run first, and
+# p99 TBT sits within a few ms of its bound, so a warmer, slower card is one suspect.
+gpu_log_pid=
+gpu_log_start() {
+  [ "$device" = cuda ] || return 0
+  nvidia-smi -i 0 --query-gpu=timestamp,clocks.sm,temperature.gpu,power.draw,utilization.gpu \
+    --format=csv,noheader -l 5 >"$out/$1.gpu.csv" 2>/dev/null &
+  gpu_log_pid=$!
+}
+gpu_log_stop() { [ -n "$gpu_log_pid" ] && kill "$gpu_log_pid" 2>/dev/null; gpu_log_pid=; }
+
 cleanup() {  # stacks run in their own sessions: a run cut by timeout leaves them behind.
   # Only on the device machine, which runs nothing else; a CPU dry run kills nothing.
   [ "$device" = cuda ] || return 0
@@ -125,12 +138,14 @@ common=(--start-stack --replicas 2 --stack-arg=--replica-gpus=0,0 --device "$dev
 if [ -n "${capacity:-}" ]; then   # one compare run of every policy at each load
   loads=${LOADS:-0.7}
   name=${card}_prefix_${workload}_load${loads// /_}_of${capacity}_cache${cache}${SUFFIX:-}
+  gpu_log_start "$name"
   echo "== $name: python -m benchmarks compare --policies ${policies[*]} --capacity $capacity --loads $loads ${common[*]}" >>"$out/$name.log"
   # shellcheck disable=SC2086   # LOADS is a list of fractions
   timeout -s INT -k 30 "$budget" $PY -m benchmarks compare --policies "${policies[@]}" --capacity "$capacity" \
     --loads $loads "${common[@]}" --name "$name" --out-dir "$out/harness/$name" \
     --stack-log-dir "/tmp/stack-logs/$name" >>"$out/$name.log" 2>&1
   echo "== $name: exit $?" >>"$out/$name.log"
+  gpu_log_stop
   tail -n 12 "$out/$name.log"
   cleanup
   policies=()
@@ -139,10 +154,12 @@ for policy in "${policies[@]}"; do
   name=${card}_prefix_${workload}_${policy}_cache${cache}${SUFFIX:-}
   from_var=FROM_$policy
   from=${!from_var:-$default_from}
+  gpu_log_start "$name"
   echo "== $name: python -m benchmarks capacity --policy $policy --initial-rate $from ${common[*]}" >>"$out/$name.log"
   timeout -s INT -k 30 "$budget" $PY -m benchmarks capacity --policy "$policy" --initial-rate "$from" "${common[@]}" \
     --name "$name" --out-dir "$out/harness/$name" --stack-log-dir "/tmp/stack-logs/$name" >>"$out/$name.log" 2>&1
   rc=$?
+  gpu_log_stop
   echo "== $name: exit $rc" >>"$out/$name.log"
   grep -E "^  probe|^capacity" "$out/$name.log" | tail -n 8
   if [ ! -f "$out/$name.json" ]; then   # no probe finished: the stack did not serve
