@@ -10,7 +10,7 @@ import transformers
 
 import pytest
 
-from replica_worker.engine.attention import TorchAttentionBackend, build_attention_metadata
+from replica_worker.engine.attention import TorchAttentionBackend, build_attention_metadata, torch_backend
 from replica_worker.engine.attention.cpu_backend import CpuAttentionBackend
 from replica_worker.engine.kv_cache import HEAD_MAJOR, KVCache
 from replica_worker.engine.config import CacheConfig, EngineConfig, ModelConfig
@@ -89,6 +89,45 @@ def test_cpu_backend_matches_torch_backend_on_a_mixed_batch(window):
     torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-5)
     n = md.num_prefill_tokens
     assert torch.equal(outs[1][:n], outs[0][:n])  # prefills: the same calls on the same values
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_torch_backend_in_slices_matches_one_call(window, monkeypatch):
+    """Under a workspace too small for the batch, the decodes and a prefill's
+    query rows run in slices (bounded memory on CUDA) and give the same output."""
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    torch.manual_seed(0)
+    rng = random.Random(1)
+    hq, hkv, d, bs, num_blocks = 6, 2, 8, 4, 120
+    shape = [(9, 7), (30, 12), (0, 5), (30, 1), (5, 1), (0, 1), (61, 1), (17, 1)]
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    blocks = [[free.pop() for _ in range(-(-(nc + nt) // bs))] for nc, nt in shape]
+    md, _, _ = build_attention_metadata([s[0] for s in shape], [s[1] for s in shape], blocks, 3, bs, "cpu")
+    q, k, v = (torch.randn(md.num_tokens, h, d) for h in (hq, hkv, hkv))
+    outs, counts = [], []
+    for workspace in (torch_backend.WORKSPACE_BYTES, 1, 20_000, 100_000):
+        cache = torch.randn(num_blocks, 2, bs, hkv, d, generator=torch.Generator().manual_seed(3))
+        backend = TorchAttentionBackend(hq, hkv, d, sliding_window=window)
+        backend.workspace_bytes = workspace
+        backend.prepare(md)
+        calls.clear()
+        outs.append(backend.forward(q, k, v, cache, md))
+        counts.append(len(calls))
+    # one call a prefill and one for the decodes; then a row a call (a chunk with no
+    # cached context is one call still: the profile measured it); then slices between
+    assert counts[0] == 4 and counts[1] == 7 + 12 + 1 + 5 and counts[0] < counts[3] < counts[2] < counts[1]
+    for sliced in outs[1:]:
+        torch.testing.assert_close(sliced, outs[0], atol=1e-6, rtol=1e-5)
+
+
+def test_rows_per_slice():
+    assert torch_backend.rows_per_slice(100, 1000) == 10
+    assert torch_backend.rows_per_slice(100, 50) == 1   # always at least one row
+    assert torch_backend.rows_per_slice(0, 50) == 50
 
 
 def test_chunked_prefill_mixed_with_decodes_matches_transformers(tiny_model_factory):

@@ -4,6 +4,15 @@ Prefill chunks run one scaled_dot_product_attention each against their
 gathered context; all decodes run as one padded, masked batch. Every index
 tensor and mask is built once per step in prepare(), not per layer. A sliding
 window only narrows the masks: the cache keeps every position.
+
+On CUDA this is the fallback (flashinfer cannot serve the model, or is not
+importable), and the KV cache is sized from a profiling prefill with no
+context. A masked call may run on the math kernel, which expands K and V to
+every query head and materialises the scores, so a batch of 256 decodes at
+1024 tokens of context would want gigabytes per layer beyond the profile
+(the Llama-3.1-8B shape asked an 80 GB card for 4 GiB more than it had). The decodes, and the query rows of a
+prefill with cached context, therefore run in slices whose working set stays
+under WORKSPACE_BYTES, well inside what gpu_memory_utilization leaves free.
 """
 
 from __future__ import annotations
@@ -64,9 +73,18 @@ def decode_mask(seq_lens: torch.Tensor, length: int, window: int | None) -> torc
 
 _CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
+# The most a masked attention call may hold at once (see the module docstring).
+WORKSPACE_BYTES = 512 << 20
+
+
+def rows_per_slice(bytes_per_row: int, workspace: int) -> int:
+    """How many rows (decodes, or a prefill's query rows) fit in one call."""
+    return max(1, workspace // max(1, bytes_per_row))
+
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    workspace_bytes = WORKSPACE_BYTES
 
     def prepare(self, md: AttentionMetadata) -> None:
         bs = md.block_size
@@ -128,18 +146,34 @@ class TorchAttentionBackend(AttentionBackend):
                 vi = v[p.q_start : p.q_end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=p.mask, is_causal=p.mask is None,
                                                    scale=self.scale, enable_gqa=True)
-            else:
-                ctx = kv_cache[p.ctx_block, :, p.ctx_offset]  # [L, 2, Hkv, D]
-                ki = ctx[:, 0].transpose(0, 1).unsqueeze(0)
-                vi = ctx[:, 1].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=p.mask, scale=self.scale, enable_gqa=True)
-            out[p.q_start : p.q_end] = o[0].transpose(0, 1)
+                out[p.q_start : p.q_end] = o[0].transpose(0, 1)
+                continue
+            ctx = kv_cache[p.ctx_block, :, p.ctx_offset]  # [L, 2, Hkv, D]
+            ki = ctx[:, 0].transpose(0, 1).unsqueeze(0)
+            vi = ctx[:, 1].transpose(0, 1).unsqueeze(0)
+            length, hq, dim = ki.shape[2], qi.shape[1], ki.shape[3]
+            # Per query row: its scores (float) and mask row; plus, once, K and V
+            # expanded to every query head.
+            fixed = 2 * length * hq * dim * ki.element_size()
+            step = rows_per_slice(length * (hq * 4 + 1), max(self.workspace_bytes - fixed, self.workspace_bytes // 2))
+            for a in range(0, qi.shape[2], step):
+                o = F.scaled_dot_product_attention(qi[:, :, a : a + step], ki, vi, attn_mask=p.mask[a : a + step],
+                                                   scale=self.scale, enable_gqa=True)
+                out[p.q_start + a : p.q_start + a + o.shape[2]] = o[0].transpose(0, 1)
         if plan.dec_block is not None:
             start = md.num_prefill_tokens
-            ctx = kv_cache[plan.dec_block, :, plan.dec_offset]  # [B, Lmax, 2, Hkv, D]
-            kd = ctx[:, :, 0].transpose(1, 2)  # [B, Hkv, Lmax, D]
-            vd = ctx[:, :, 1].transpose(1, 2)
-            qd = q[start:].unsqueeze(2)  # [B, Hq, 1, D]
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.dec_mask, scale=self.scale, enable_gqa=True)
-            out[start:] = o.squeeze(2)
+            lmax, hkv, dim = plan.dec_block.shape[1], kv_cache.shape[-2], kv_cache.shape[-1]
+            hq = q.shape[1]
+            # Per decode: its gathered K and V, their expansion to every query
+            # head, and its scores.
+            per_row = lmax * (2 * (hkv + hq) * dim * kv_cache.element_size() + hq * 4)
+            step = rows_per_slice(per_row, self.workspace_bytes)
+            for a in range(0, plan.dec_block.shape[0], step):
+                ctx = kv_cache[plan.dec_block[a : a + step], :, plan.dec_offset]  # [b, Lmax, 2, Hkv, D]
+                kd = ctx[:, :, 0].transpose(1, 2)  # [b, Hkv, Lmax, D]
+                vd = ctx[:, :, 1].transpose(1, 2)
+                qd = q[start + a : start + a + step].unsqueeze(2)  # [b, Hq, 1, D]
+                o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.dec_mask[a : a + step],
+                                                   scale=self.scale, enable_gqa=True)
+                out[start + a : start + a + o.shape[0]] = o.squeeze(2)
         return out
