@@ -170,6 +170,7 @@ def main() -> None:
     MODES = tuple((m, ALL_MODES[m]) for m in args.modes.split(","))
     sections = args.sections.split(",")
     be.OUT = Path(args.out)
+    be.require_flashinfer()
     import os
 
     be.RESULTS["flashinfer_prefill"] = os.environ.get("QUADRIGA_FLASHINFER_PREFILL", "default")

@@ -126,6 +126,20 @@ def wall_time(fn, reps: int, warmup: int = 3) -> float:
 
 
 @section("ceilings")
+def require_flashinfer() -> None:
+    """These figures are of the engine's CUDA path, flashinfer. Without it (the carry's
+    modules off PYTHONPATH, say) the engine falls back to plain torch attention with
+    no CUDA graphs: another engine, so stop before spending device time on it.
+    QUADRIGA_ATTENTION_BACKEND=torch measures that fallback on purpose."""
+    if os.environ.get("QUADRIGA_ATTENTION_BACKEND", "").strip().lower() == "torch":
+        return
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as exc:
+        sys.exit(f"flashinfer is not importable ({exc}); source benchmarks/gpu/device-env.sh "
+                 "with the carry, and add to PYTHONPATH rather than set it")
+
+
 def ceilings():
     n = 1 << 30  # 2 GiB of bf16 each way, far past the L2
     x = torch.randn(n, dtype=torch.bfloat16, device="cuda")
@@ -406,6 +420,7 @@ def main() -> None:
                     help="torch threads for the whole run (0: torch's default); the offline job sets its own")
     args = ap.parse_args()
     OUT = Path(args.out)
+    require_flashinfer()
     if args.threads:
         torch.set_num_threads(args.threads)
     RESULTS["torch_threads"] = torch.get_num_threads()
