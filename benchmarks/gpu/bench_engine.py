@@ -125,7 +125,6 @@ def wall_time(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-@section("ceilings")
 def require_flashinfer() -> None:
     """These figures are of the engine's CUDA path, flashinfer. Without it (the carry's
     modules off PYTHONPATH, say) the engine falls back to plain torch attention with
@@ -140,6 +139,7 @@ def require_flashinfer() -> None:
                  "with the carry, and add to PYTHONPATH rather than set it")
 
 
+@section("ceilings")
 def ceilings():
     n = 1 << 30  # 2 GiB of bf16 each way, far past the L2
     x = torch.randn(n, dtype=torch.bfloat16, device="cuda")
