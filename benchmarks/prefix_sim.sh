@@ -26,6 +26,9 @@
 # each search on one stack with the caches primed (--prime), as the H200 searches ran;
 # chat (the default) probes each on a fresh stack (--cold-probes, below).
 # FROM_<policy> starts that policy's search (default CAP_FROM, 2).
+# ASYNC=1: the simulated replicas model async scheduling (--async-scheduling: a step's host
+# work overlaps the previous step on the device, as the CUDA engine does by default);
+# result names end in _async.
 #
 # Time is stretched: every modelled step lasts TIME_SCALE (4) times the cost model's
 # time, and the SLOs (p99 TBT 0.1 s, p99 TTFT 2 s, p50 scheduling delay 2 s) and pull's
@@ -56,6 +59,10 @@ if [ -n "${SHARED_DEVICE:-}" ]; then
   mkdir -p benchmarks/results/tmp/prefix_sim
   device=(--replica-arg=--shared-device --replica-arg="$PWD/benchmarks/results/tmp/prefix_sim/device")
   suffix=_shared_device
+fi
+if [ -n "${ASYNC:-}" ]; then
+  device+=(--replica-arg=--async-scheduling)
+  suffix=${suffix}_async
 fi
 case $WORKLOAD in
   chat) blocks=8642; probes=(--cold-probes) ;;

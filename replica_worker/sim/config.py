@@ -29,6 +29,7 @@ class SimConfig:
     scheduler: str = "sarathi"
     time_scale: float = 1.0          # multiplies every modelled step time
     shared_device: str = ""          # file of a device shared with other replicas; "": its own
+    async_scheduling: bool = False   # model the overlap of host work and device (runner.py)
     prefetch: int = 0
     drain_timeout_s: float = 30.0
     metrics_port: int = 0            # replica i serves on metrics_port + i; 0: none
@@ -99,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> SimConfig:
     p.add_argument("--shared-device", default=_env("SIM_SHARED_DEVICE", ""), metavar="FILE",
                    help="replicas naming one file share one modelled device: while n of them are in a "
                         "step, each advances at 1/n, as processes time-share one GPU (default: a device each)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="model async scheduling, the CUDA engine's default: a step's host work overlaps "
+                        "the previous step on the device (default: host work and step in sequence)")
     p.add_argument("--prefetch", type=int, default=0)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--metrics-port", type=int, default=0, help="first replica's Prometheus port; 0: none")
@@ -119,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> SimConfig:
         max_model_len=a.max_model_len or facts.get("max_model_len"),
         eos_token_id=facts.get("eos_token_id"),
         scheduler=a.scheduler, time_scale=a.time_scale, shared_device=a.shared_device,
+        async_scheduling=a.async_scheduling,
         prefetch=a.prefetch,
         drain_timeout_s=a.drain_timeout, metrics_port=a.metrics_port,
         auth_token=_env("REPLICA_TOKEN", ""),  # secrets from the environment only (argv shows in ps)

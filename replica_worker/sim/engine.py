@@ -46,15 +46,27 @@ class SimulatedEngine(EngineCore):
 
     def __init__(self, config: EngineConfig, runner: SimulatedRunner):
         super().__init__(config, RuleTokenizer(), runner=runner)
+        self._had_work = False
+
+    def step(self):
+        # A step right after one that left work (the engine loop does not wait
+        # between them) is one whose host work a real async engine overlaps.
+        self.runner.back_to_back = self._had_work
+        result = super().step()
+        if not result.batch_size:
+            self.runner.idle()
+        self._had_work = self.has_unfinished()
+        return result
 
     @classmethod
     def from_profile(cls, profile: Profile, scheduler: str = "sarathi", *, vocab_size: int | None = None,
                      eos_token_id: int | None = None, time_scale: float = 1.0, record: bool = False,
-                     shared_device: SharedDevice | None = None, **engine_kwargs) -> "SimulatedEngine":
+                     shared_device: SharedDevice | None = None, overlap: bool = False,
+                     **engine_kwargs) -> "SimulatedEngine":
         config = simulated_engine_config(profile, scheduler, **engine_kwargs)
         runner = SimulatedRunner(
             profile.cost, num_blocks=config.cache.num_blocks, max_model_len=config.model.max_model_len,
             vocab_size=vocab_size or profile.vocab_size,
             eos_token_id=eos_token_id,
-            time_scale=time_scale, record=record, shared_device=shared_device)
+            time_scale=time_scale, record=record, shared_device=shared_device, overlap=overlap)
         return cls(config, runner)

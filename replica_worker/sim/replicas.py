@@ -23,7 +23,7 @@ def build_engine(config: SimConfig, profile: Profile) -> SimulatedEngine:
     shared = SharedDevice(config.shared_device) if config.shared_device else None
     return SimulatedEngine.from_profile(profile, config.scheduler, vocab_size=config.vocab_size,
                                         eos_token_id=config.eos_token_id, time_scale=config.time_scale,
-                                        shared_device=shared, **kwargs)
+                                        shared_device=shared, overlap=config.async_scheduling, **kwargs)
 
 
 def build_workers(config: SimConfig) -> list[ReplicaWorker]:
@@ -33,7 +33,8 @@ def build_workers(config: SimConfig) -> list[ReplicaWorker]:
     log.info("%d simulated replicas ready: profile %s, %d KV blocks of %d, scheduler %s%s",
              len(engines), profile.name, engines[0].runner.num_blocks,
              engines[0].config.cache.block_size, config.scheduler,
-             f", sharing the device of {config.shared_device}" if config.shared_device else "")
+             (f", sharing the device of {config.shared_device}" if config.shared_device else "")
+             + (", async scheduling modelled" if config.async_scheduling else ""))
     return workers
 
 

@@ -6,6 +6,16 @@ the rule of tests/support/scripted_replica.py, so a client can check every token
 The wait is time.sleep, which holds no GIL: many simulated replicas share a
 host's cores, each costing only its scheduler's work. With a SharedDevice the
 wait is shared: while n replicas sharing it are in a step, each advances at 1/n.
+
+With `overlap` the runner models async scheduling, the CUDA default
+(replica_worker/engine/core.py): the host work before a step (resolving the
+previous one, the worker's sending, scheduling) runs while the previous step is
+on the device, so a step that follows another at once may start when that one
+ended. The wall time since the previous step ended, up to that step's length,
+counts as this step's device time already spent (on a shared device, at the
+share of the moment). The step period is then about max(device, host), not
+their sum. What async scheduling also does, hand a step's tokens out one step
+later, is not modelled.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ class SimulatedRunner:
 
     def __init__(self, cost: CostModel, *, num_blocks: int, max_model_len: int, vocab_size: int,
                  eos_token_id: int | None = None, time_scale: float = 1.0, record: bool = False,
-                 shared_device: SharedDevice | None = None):
+                 shared_device: SharedDevice | None = None, overlap: bool = False):
         if time_scale < 0:
             raise ValueError("time_scale must be non-negative")
         self.cost = cost
@@ -59,6 +69,12 @@ class SimulatedRunner:
         self.modelled_s = 0.0  # sum of every step's modelled time
         self.steps: list[ScheduledStep] | None = [] if record else None
         self.shared_device = shared_device
+        self.overlap = overlap
+        # Set by the engine before each step: it follows the previous step at once
+        # (the engine had work left), so its host work overlapped that step.
+        self.back_to_back = False
+        self._previous_end: float | None = None   # monotonic end of the previous step's device work
+        self._previous_wall = 0.0                 # that step's device wall time
 
     def set_eos_token_ids(self, ids) -> None:
         """Rule tokens are not sampled: nothing masks EOS."""
@@ -78,8 +94,26 @@ class SimulatedRunner:
             rule_token(c.seq.prompt_token_ids, c.seq.num_output_tokens, self.vocab_size)
             for c in chunks if c.seq.num_computed_tokens + c.num_tokens == c.seq.num_tokens
         ]
-        if self.shared_device is not None:
-            self.shared_device.run_step(seconds, self.time_scale)
-        elif self.time_scale:
-            time.sleep(seconds * self.time_scale)
+        self._wait(seconds)
         return SamplerOutput(sampled, None)
+
+    def _wait(self, seconds: float) -> None:
+        if not self.time_scale:
+            return
+        called = time.monotonic()
+        ahead = 0.0   # wall seconds of this step's device work done before the call
+        if self.overlap and self.back_to_back and self._previous_end is not None:
+            ahead = max(0.0, min(called - self._previous_end, self._previous_wall))
+        if self.shared_device is not None:
+            share = 1 + self.shared_device.running_count()   # this one and those in a step now
+            self.shared_device.run_step(seconds - ahead / self.time_scale / share, self.time_scale)
+        else:
+            left = seconds * self.time_scale - ahead
+            if left > 0:
+                time.sleep(left)
+        end = time.monotonic()
+        self._previous_end, self._previous_wall = end, end - called + ahead
+
+    def idle(self) -> None:
+        """A step launched nothing: the next one overlaps no device work."""
+        self._previous_end = None

@@ -15,6 +15,15 @@ def test_replicas_take_numbered_identities_and_the_model_folders_facts(tiny_mode
     assert parse_args(["--router", "h:1", "--replica-id", "x"]).replica_ids() == ["x"]
 
 
+def test_async_scheduling_reaches_every_replicas_runner(tiny_model):
+    from replica_worker.sim.replicas import build_engine
+
+    for argv, overlap in (([], False), (["--async-scheduling"], True)):
+        config = parse_args(["--router", "h:1", "--model", str(tiny_model), *argv])
+        assert config.async_scheduling is overlap
+        assert build_engine(config, load_profile(config.profile, config.profiles_file)).runner.overlap is overlap
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--router", "nohostport"], "HOST:PORT"),
     (["--router", "h:1", "-k", "0"], "at least 1"),
