@@ -51,7 +51,7 @@ class SimulatedEngine(EngineCore):
     def step(self):
         # A step right after one that left work (the engine loop does not wait
         # between them) is one whose host work a real async engine overlaps.
-        self.runner.back_to_back = self._had_work
+        self.runner.follows_previous(self._had_work)
         result = super().step()
         if not result.batch_size:
             self.runner.idle()

@@ -70,8 +70,8 @@ class SimulatedRunner:
         self.steps: list[ScheduledStep] | None = [] if record else None
         self.shared_device = shared_device
         self.overlap = overlap
-        # Set by the engine before each step: it follows the previous step at once
-        # (the engine had work left), so its host work overlapped that step.
+        # Whether the next step follows the previous one at once (the engine had
+        # work left), so its host work overlapped that step (follows_previous).
         self.back_to_back = False
         self._previous_end: float | None = None   # monotonic end of the previous step's device work
         self._previous_wall = 0.0                 # that step's device wall time
@@ -113,6 +113,10 @@ class SimulatedRunner:
                 time.sleep(left)
         end = time.monotonic()
         self._previous_end, self._previous_wall = end, end - called + ahead
+
+    def follows_previous(self, back_to_back: bool) -> None:
+        """The engine's word before each step: whether it follows the previous one at once."""
+        self.back_to_back = back_to_back
 
     def idle(self) -> None:
         """A step launched nothing: the next one overlaps no device work."""

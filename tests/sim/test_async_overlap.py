@@ -48,7 +48,7 @@ def test_a_back_to_back_step_waits_only_what_its_host_work_left(clock, host_s, w
     r.execute([])                      # the first step: all of it (2 x 10 ms, stretched)
     assert clock.slept == [pytest.approx(0.020)]
     clock.now += host_s                # resolving, sending, scheduling the next step
-    r.back_to_back = True
+    r.follows_previous(True)
     clock.slept.clear()
     r.execute([])
     assert sum(clock.slept) == pytest.approx(waited_s)
@@ -59,7 +59,7 @@ def test_without_overlap_or_after_idle_the_host_work_adds(clock):
         r = runner(overlap)
         r.execute([])
         clock.now += 0.004
-        r.back_to_back = back_to_back
+        r.follows_previous(back_to_back)
         clock.slept.clear()
         r.execute([])
         assert sum(clock.slept) == pytest.approx(0.020)
