@@ -93,8 +93,9 @@ fi
 echo "two replicas on GPU 0, $NUM_BLOCKS KV blocks (16 tokens) each"
 
 # The GPU's clock, temperature and power every 5 s while a search runs (OUT/<name>.gpu.csv):
-# a search run second in a call has passed lower rates than the same policy run first, and
-# p99 TBT sits within a few ms of its bound, so a warmer, slower card is one suspect.
+# p99 TBT sits within a few ms of its bound, so a search's outcome can turn on the card's
+# speed; the log tells a slower card from the stack (on 2026-12-06 an H100 held 1905-1980
+# MHz through two searches in a row: ../results/prefix_h100_chat/NOTES.md).
 gpu_log_pid=
 gpu_log_start() {
   [ "$device" = cuda ] || return 0
