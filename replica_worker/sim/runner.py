@@ -105,8 +105,9 @@ class SimulatedRunner:
         if self.overlap and self.back_to_back and self._previous_end is not None:
             ahead = max(0.0, min(called - self._previous_end, self._previous_wall))
         if self.shared_device is not None:
-            share = 1 + self.shared_device.running_count()   # this one and those in a step now
-            self.shared_device.run_step(seconds - ahead / self.time_scale / share, self.time_scale)
+            if ahead:   # done at the share of the moment: this one and those in a step now
+                seconds -= ahead / self.time_scale / (1 + self.shared_device.running_count())
+            self.shared_device.run_step(seconds, self.time_scale)
         else:
             left = seconds * self.time_scale - ahead
             if left > 0:

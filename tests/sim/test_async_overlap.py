@@ -65,6 +65,27 @@ def test_without_overlap_or_after_idle_the_host_work_adds(clock):
         assert sum(clock.slept) == pytest.approx(0.020)
 
 
+def test_on_a_shared_device_the_head_start_counts_at_the_share_of_the_moment(clock, monkeypatch, tmp_path):
+    from replica_worker.sim import shared_device as shared_module
+
+    monkeypatch.setattr(shared_module.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(shared_module.time, "sleep", clock.sleep)
+    device = shared_module.SharedDevice(str(tmp_path / "device"))
+    r = SimulatedRunner(CostModel(STEP_S, 0, 0, 0, 0), num_blocks=64, max_model_len=256,
+                        vocab_size=100, time_scale=2.0, overlap=True, shared_device=device)
+    r.execute([])
+    assert sum(clock.slept) == pytest.approx(0.020)   # alone on the device: at full speed
+    # running_count held at k: the 4 ms ahead count 4 / 2 (time scale) / (1 + k) modelled
+    # ms, and run_step then advances at 1 / max(1, k): k = 1 leaves 9 ms at full speed.
+    for k, waited_s in ((0, 0.016), (1, 0.018)):
+        monkeypatch.setattr(device, "running_count", lambda k=k: k)
+        clock.now += 0.004
+        r.follows_previous(True)
+        clock.slept.clear()
+        r.execute([])
+        assert sum(clock.slept) == pytest.approx(waited_s)
+
+
 def test_the_engine_marks_steps_that_follow_one_with_work_left(clock):
     profile = Profile("flat", CostModel(STEP_S, 0, 0, 0, 0), vocab_size=100, max_model_len=256,
                       num_kv_blocks=64)
