@@ -18,3 +18,14 @@ def greedy_of(hf, prompts: list[list[int]], max_new: int) -> list[list[int]]:
                           eos_token_id=None, pad_token_id=0)
         outs.append(out[0, len(prompt):].tolist())
     return outs
+
+
+def prefix_agreement(outs: list[list[int]], refs: list[list[int]]) -> float:
+    """Share of reference tokens reproduced before each sequence's first divergence."""
+    agree = 0
+    for out, ref in zip(outs, refs):
+        for a, b in zip(out, ref):
+            if a != b:
+                break
+            agree += 1
+    return agree / sum(len(r) for r in refs)

@@ -19,6 +19,7 @@ from replica_worker.engine.attention import build_attention_metadata
 from replica_worker.engine.attention.flashinfer_backend import flashinfer_importable
 from replica_worker.engine.attention.torch_backend import TorchAttentionBackend
 from replica_worker.engine.config import SCHEDULER_NAMES
+from tests.engine.hf_reference import prefix_agreement
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_flashinfer = pytest.mark.skipif(not flashinfer_importable(), reason="needs flashinfer")
@@ -63,17 +64,6 @@ def _generate(model_dir, dtype, scheduler="sarathi", **kw):
     return llm, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def _prefix_agreement(outs, refs) -> float:
-    """Share of reference tokens reproduced before each sequence's first divergence."""
-    agree = 0
-    for out, ref in zip(outs, refs):
-        for a, b in zip(out, ref):
-            if a != b:
-                break
-            agree += 1
-    return agree / sum(len(r) for r in refs)
-
-
 @pytest.mark.parametrize("scheduler", SCHEDULER_NAMES)
 def test_float32_cuda_greedy_equals_transformers(model_dir, reference, scheduler):
     llm, outs = _generate(model_dir, "float32", scheduler)
@@ -88,7 +78,7 @@ def test_bfloat16_flashinfer_graphs_agree_with_float32(model_dir, reference, sch
     runner = llm.engine.runner
     assert runner.backend.name == "flashinfer" and runner.graphs is not None
     assert runner.graphs.replays > 0
-    rate = _prefix_agreement(outs, reference)
+    rate = prefix_agreement(outs, reference)
     exact = sum(o == r for o, r in zip(outs, reference))
     print(f"\n{scheduler}: bf16 flashinfer+graphs vs fp32 transformers: {rate:.1%} of tokens before "
           f"first divergence, {exact}/{len(PROMPTS)} sequences identical")
@@ -100,7 +90,7 @@ def test_graphs_match_eager(model_dir):
     _, eager = _generate(model_dir, "bfloat16", enable_cuda_graphs=False)
     llm, graphed = _generate(model_dir, "bfloat16")
     assert llm.engine.runner.graphs.replays > 0
-    rate = _prefix_agreement(graphed, eager)
+    rate = prefix_agreement(graphed, eager)
     print(f"\nbf16 graphs vs eager flashinfer: {rate:.1%}")
     assert rate >= 0.9
 
@@ -177,6 +167,6 @@ def test_flashinfer_prefill_attends_to_cached_pages(model_dir):
     llm, cached, num_cached = _shared_prefix_run(model_dir, "bfloat16", caching=True)
     assert llm.engine.runner.backend.name == "flashinfer"
     assert num_cached == [0] + [64] * (len(PROMPTS) - 1)
-    rate = _prefix_agreement(cached, uncached)
+    rate = prefix_agreement(cached, uncached)
     print(f"\nbf16 flashinfer, prefix cache on vs off: {rate:.1%}")
     assert rate >= 0.9

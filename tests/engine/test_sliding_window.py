@@ -70,15 +70,15 @@ def test_which_configs_have_a_window():
         sliding_window_of(qwen_mixed, 32768)
 
 
-def test_a_window_keeps_cuda_on_the_torch_backend(monkeypatch):
-    """flashinfer is not used for windowed attention (unchecked on a GPU here), even where it imports."""
-    from replica_worker.engine.attention import TorchAttentionBackend, select_backend
-    from replica_worker.engine.attention.flashinfer_backend import flashinfer_supports
+def test_a_window_keeps_cuda_on_flashinfer(monkeypatch):
+    """flashinfer serves windowed attention (window_left; checked against transformers and
+    the torch mask in test_sliding_window_cuda.py): a window is no reason to fall back."""
+    from replica_worker.engine.attention import select_backend
+    from replica_worker.engine.attention import flashinfer_backend as fb
 
-    reason = flashinfer_supports(torch.bfloat16, 128, sliding_window=4096)
-    assert reason and "sliding-window" in reason and "max_model_len" in reason
+    monkeypatch.setattr(fb, "flashinfer_importable", lambda: True)
     monkeypatch.delenv("QUADRIGA_ATTENTION_BACKEND", raising=False)
-    assert select_backend("cuda", torch.bfloat16, 128, sliding_window=4096) is TorchAttentionBackend
-    monkeypatch.setenv("QUADRIGA_ATTENTION_BACKEND", "flashinfer")
-    with pytest.raises(RuntimeError, match="sliding-window"):
-        select_backend("cuda", torch.bfloat16, 128, sliding_window=4096)
+    assert fb.flashinfer_supports(torch.bfloat16, 128, sliding_window=4096) is None
+    assert select_backend("cuda", torch.bfloat16, 128, sliding_window=4096) is fb.FlashInferBackend
+    # float32 still has no flashinfer kernels, window or not.
+    assert "float32" in fb.flashinfer_supports(torch.float32, 128, sliding_window=4096)

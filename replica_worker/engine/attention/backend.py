@@ -72,7 +72,7 @@ def select_backend(
 ) -> type[AttentionBackend]:
     """The backend class for a device: on the CPU the head-major CPU backend;
     on CUDA flashinfer when it can serve the model (fp16/bf16, head_dim
-    64/128/256, full attention, importable), else plain torch, with a warning.
+    64/128/256, importable; a sliding window is served), else plain torch, with a warning.
     QUADRIGA_ATTENTION_BACKEND=torch|cpu|flashinfer forces one."""
     from replica_worker.engine.attention.cpu_backend import CpuAttentionBackend
     from replica_worker.engine.attention.torch_backend import TorchAttentionBackend

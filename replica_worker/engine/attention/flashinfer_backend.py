@@ -61,12 +61,8 @@ def flashinfer_importable() -> bool:
 def flashinfer_supports(
     dtype: torch.dtype | None, head_dim: int | None, sliding_window: int | None = None
 ) -> str | None:
-    """None when flashinfer can serve this model, else the reason it cannot."""
-    if sliding_window is not None:
-        # flashinfer has window_left, but this backend has not been checked with it
-        # on a GPU; the torch backend serves windowed models, checked against transformers.
-        return (f"sliding-window attention ({sliding_window} tokens) is served by the torch backend; "
-                "a max_model_len at most the window keeps flashinfer")
+    """None when flashinfer can serve this model, else the reason it cannot.
+    A sliding window is served (window_left; tests/engine/test_sliding_window_cuda.py)."""
     if dtype is not None and dtype not in SUPPORTED_DTYPES:
         return f"flashinfer has no {dtype} kernels (float16/bfloat16 only)"
     if head_dim is not None and head_dim not in SUPPORTED_HEAD_DIMS:
@@ -104,6 +100,10 @@ class FlashInferBackend(AttentionBackend):
         reason = flashinfer_supports(dtype, head_dim, self.sliding_window)
         if reason:
             raise ValueError(reason)
+        # A query at position p sees keys p - window_left .. p: a window of W tokens
+        # (keys > p - W, as transformers masks) is window_left W - 1; -1 is no window.
+        # A windowed model builds kernels of its own (a template flag) on first use.
+        self.window_left = self.sliding_window - 1 if self.sliding_window else -1
         import flashinfer
 
         self._fi = flashinfer
@@ -147,6 +147,7 @@ class FlashInferBackend(AttentionBackend):
             indptr_host, indices, last_page_len_host,
             self.num_heads, self.num_kv_heads, self.head_dim, block_size,
             q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
+            window_left=self.window_left,
         )
 
     def prepare(self, md: AttentionMetadata) -> None:
@@ -161,6 +162,7 @@ class FlashInferBackend(AttentionBackend):
                 md.paged_kv_last_page_len_host[:p],
                 self.num_heads, self.num_kv_heads, self.head_dim, bs,
                 causal=True, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
+                window_left=self.window_left,
             )
             prefill = self.prefill_wrapper
         if md.num_decodes:
