@@ -11,6 +11,7 @@ import torch
 from replica_worker import LLM, SamplingParams
 from replica_worker.engine.attention.flashinfer_backend import flashinfer_importable
 from replica_worker.engine.model.fp8 import Fp8Weight, quantize_rows
+from tests.engine.hf_reference import prefix_agreement
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
@@ -49,24 +50,14 @@ def _tokens(model_dir, **kwargs):
     return llm, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def _prefix_agreement(outs, refs) -> float:
-    agree = 0
-    for o, r in zip(outs, refs):
-        n = 0
-        while n < len(r) and n < len(o) and o[n] == r[n]:
-            n += 1
-        agree += n
-    return agree / sum(len(r) for r in refs)
-
-
 @pytest.mark.skipif(not flashinfer_importable(), reason="needs flashinfer")
 def test_fp8_graphs_match_eager(model_dir):
     _, eager = _tokens(model_dir, quantization="fp8", enable_cuda_graphs=False)
     llm, graphed = _tokens(model_dir, quantization="fp8")
     assert llm.engine.runner.graphs.replays > 0
-    assert _prefix_agreement(graphed, eager) >= 0.9
+    assert prefix_agreement(graphed, eager) >= 0.9
     _, bf16 = _tokens(model_dir)
-    rate = _prefix_agreement(graphed, bf16)
+    rate = prefix_agreement(graphed, bf16)
     # Printed, not bounded: a tiny random model's logits are near-ties, so e4m3's rounding
     # flips early tokens (5% agreed on the H200); benchmarks/engine/dtype_agreement.py
     # measures the agreement on a real model.

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from replica_worker import LLM
+from tests.engine.hf_reference import prefix_agreement
 from tests.engine.test_flashinfer_cuda import (  # noqa: F401 (fixtures)
     ENGINE,
     GREEDY,
     PROMPTS,
-    _prefix_agreement,
     model_dir,
     needs_flashinfer,
     reference,
@@ -59,5 +59,5 @@ def test_bfloat16_two_gpus_graphs_agree_with_eager_and_float32(model_dir, refere
     assert graphs is not None and graphs.replays > 0, "decode steps should replay the captured graphs"
     eager, _, _ = _generate(model_dir, "bfloat16", enable_cuda_graphs=False)
     # Two ranks' all-reduce is a + b whatever NCCL's algorithm: graphs and eager should agree.
-    assert _prefix_agreement(graphed, eager) >= 0.9
-    assert _prefix_agreement(graphed, reference) >= 0.5
+    assert prefix_agreement(graphed, eager) >= 0.9
+    assert prefix_agreement(graphed, reference) >= 0.5
