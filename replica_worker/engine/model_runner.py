@@ -102,7 +102,7 @@ class ModelRunner:
                            group.rank, group.size)
         n_kv = self.num_kv_heads = heads.num_kv_heads  # this rank's
         self.sliding_window = sliding_window_of(self.hf_config, self.max_model_len)
-        backend_cls = select_backend(self.device, self.dtype, head_dim, self.sliding_window)
+        backend_cls = select_backend(self.device, self.dtype, head_dim)
         extra = {"dtype": self.dtype, "device": self.device} if backend_cls.name == "flashinfer" else {}
         self.backend = backend_cls(heads.num_heads, n_kv, head_dim, sliding_window=self.sliding_window, **extra)
         self.model = get_model(mc, self.backend, self.device, self.max_model_len, self.hf_config, group)

@@ -4,7 +4,6 @@ chunk with cached context and every decode is masked; greedy output must match
 token for token, under every replica scheduler, chunked and preempted."""
 
 import pytest
-import torch
 import transformers
 
 from replica_worker import LLM, SamplingParams
@@ -69,16 +68,3 @@ def test_which_configs_have_a_window():
     with pytest.raises(ValueError, match="mixes attention kinds"):
         sliding_window_of(qwen_mixed, 32768)
 
-
-def test_a_window_keeps_cuda_on_flashinfer(monkeypatch):
-    """flashinfer serves windowed attention (window_left; checked against transformers and
-    the torch mask in test_sliding_window_cuda.py): a window is no reason to fall back."""
-    from replica_worker.engine.attention import select_backend
-    from replica_worker.engine.attention import flashinfer_backend as fb
-
-    monkeypatch.setattr(fb, "flashinfer_importable", lambda: True)
-    monkeypatch.delenv("QUADRIGA_ATTENTION_BACKEND", raising=False)
-    assert fb.flashinfer_supports(torch.bfloat16, 128, sliding_window=4096) is None
-    assert select_backend("cuda", torch.bfloat16, 128, sliding_window=4096) is fb.FlashInferBackend
-    # float32 still has no flashinfer kernels, window or not.
-    assert "float32" in fb.flashinfer_supports(torch.float32, 128, sliding_window=4096)

@@ -68,11 +68,10 @@ class AttentionBackend(abc.ABC):
 
 def select_backend(
     device: torch.device | str, dtype: torch.dtype | None = None, head_dim: int | None = None,
-    sliding_window: int | None = None,
 ) -> type[AttentionBackend]:
     """The backend class for a device: on the CPU the head-major CPU backend;
     on CUDA flashinfer when it can serve the model (fp16/bf16, head_dim
-    64/128/256, importable; a sliding window is served), else plain torch, with a warning.
+    64/128/256, importable; with or without a sliding window), else plain torch, with a warning.
     QUADRIGA_ATTENTION_BACKEND=torch|cpu|flashinfer forces one."""
     from replica_worker.engine.attention.cpu_backend import CpuAttentionBackend
     from replica_worker.engine.attention.torch_backend import TorchAttentionBackend
@@ -84,7 +83,7 @@ def select_backend(
         return CpuAttentionBackend
     from replica_worker.engine.attention import flashinfer_backend as fb
 
-    reason = fb.flashinfer_supports(dtype, head_dim, sliding_window)
+    reason = fb.flashinfer_supports(dtype, head_dim)
     if reason is None:
         return fb.FlashInferBackend
     if forced == "flashinfer":

@@ -58,11 +58,9 @@ def flashinfer_importable() -> bool:
     return True
 
 
-def flashinfer_supports(
-    dtype: torch.dtype | None, head_dim: int | None, sliding_window: int | None = None
-) -> str | None:
-    """None when flashinfer can serve this model, else the reason it cannot.
-    A sliding window is served (window_left; tests/engine/test_sliding_window_cuda.py)."""
+def flashinfer_supports(dtype: torch.dtype | None, head_dim: int | None) -> str | None:
+    """None when flashinfer can serve this model, else the reason it cannot. Any
+    sliding window is served (window_left; tests/engine/test_sliding_window_cuda.py)."""
     if dtype is not None and dtype not in SUPPORTED_DTYPES:
         return f"flashinfer has no {dtype} kernels (float16/bfloat16 only)"
     if head_dim is not None and head_dim not in SUPPORTED_HEAD_DIMS:
@@ -97,7 +95,7 @@ class FlashInferBackend(AttentionBackend):
         device: torch.device | str = "cuda",
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
-        reason = flashinfer_supports(dtype, head_dim, self.sliding_window)
+        reason = flashinfer_supports(dtype, head_dim)
         if reason:
             raise ValueError(reason)
         # A query at position p sees keys p - window_left .. p: a window of W tokens
