@@ -344,6 +344,16 @@ def offline(holder: dict, num: int, n_in: int, n_out: int, threads: list[int]):
                     "offline with SmolLM2's tokenizer)"}
 
 
+def smaller_batch_after_oom(exc: BaseException, batch: int, seen: set[int]) -> int | None:
+    """After transformers ran out of memory at `batch`, the next batch to try: three
+    quarters of it in multiples of 32 (a smaller card still gets an anchor: on an 80 GB
+    H100 the 8B shape's 256 does not fit), None for another error, or once at 32 or tried."""
+    if not isinstance(exc, torch.OutOfMemoryError):
+        return None
+    smaller = batch * 3 // 4 // 32 * 32
+    return smaller if smaller >= 32 and smaller not in seen else None
+
+
 @section("hf")
 def hf_baseline(model_dir: str, batches, num: int, n_in: int, n_out: int):
     """transformers' generate on the whole job: the same prompts in waves of
@@ -364,7 +374,10 @@ def hf_baseline(model_dir: str, batches, num: int, n_in: int, n_out: int):
                                  min_new_tokens=k, do_sample=False, pad_token_id=0)
         return out.shape[1] - ids.shape[1]
 
-    for b in batches:
+    queue, tried = list(batches), set()
+    while queue:
+        b = queue.pop(0)
+        tried.add(b)
         try:
             gen(prompts[:b], 2)  # warm-up at this batch's shapes
             torch.cuda.synchronize()
@@ -379,6 +392,9 @@ def hf_baseline(model_dir: str, batches, num: int, n_in: int, n_out: int):
         except Exception as exc:
             traceback.print_exc()
             rows.append({"batch": b, "error": f"{type(exc).__name__}: {exc}"})
+            smaller = smaller_batch_after_oom(exc, b, tried | set(queue))
+            if smaller:
+                queue.insert(0, smaller)
         torch.cuda.empty_cache()
         save()
     ok = [r for r in rows if "output_tokens_per_s" in r]

@@ -1,6 +1,7 @@
 """bench_engine's start: without flashinfer the GPU benchmarks stop before measuring
-(the torch fallback is another engine), unless that fallback is asked for; and the
-ceilings are what its section records."""
+(the torch fallback is another engine), unless that fallback is asked for; the
+ceilings are what its section records; transformers' anchor steps down past a batch
+that runs out of memory."""
 
 import sys
 from pathlib import Path
@@ -33,3 +34,12 @@ def test_the_ceilings_section_records_the_ceilings(monkeypatch, tmp_path):
     monkeypatch.setattr(bench_engine.torch.cuda, "get_device_name", lambda: "card", raising=False)
     got = bench_engine.ceilings()
     assert bench_engine.RESULTS["ceilings"] == got and got["gpu"] == "card"
+
+
+def test_transformers_out_of_memory_steps_down_to_a_batch_that_may_fit():
+    oom = bench_engine.torch.OutOfMemoryError("CUDA out of memory")
+    assert bench_engine.smaller_batch_after_oom(oom, 256, {256, 384}) == 192
+    assert bench_engine.smaller_batch_after_oom(oom, 384, {256, 384}) == 288
+    assert bench_engine.smaller_batch_after_oom(oom, 256, {256, 192}) is None   # tried already
+    assert bench_engine.smaller_batch_after_oom(oom, 40, {40}) is None          # nothing under 32
+    assert bench_engine.smaller_batch_after_oom(RuntimeError("other"), 256, {256}) is None
