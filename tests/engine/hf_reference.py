@@ -11,10 +11,10 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new: int, **config_overri
 
 
 def greedy_of(hf, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    """hf_greedy on a model already loaded (and changed, say)."""
+    """hf_greedy on a model already loaded (and changed, or on a GPU, say)."""
     outs = []
     for prompt in prompts:
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+        out = hf.generate(torch.tensor([prompt], device=hf.device), max_new_tokens=max_new, do_sample=False,
                           eos_token_id=None, pad_token_id=0)
         outs.append(out[0, len(prompt):].tolist())
     return outs

@@ -19,7 +19,7 @@ from replica_worker.engine.attention import build_attention_metadata
 from replica_worker.engine.attention.flashinfer_backend import flashinfer_importable
 from replica_worker.engine.attention.torch_backend import TorchAttentionBackend
 from replica_worker.engine.config import SCHEDULER_NAMES
-from tests.engine.hf_reference import prefix_agreement
+from tests.engine.hf_reference import greedy_of, prefix_agreement
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_flashinfer = pytest.mark.skipif(not flashinfer_importable(), reason="needs flashinfer")
@@ -50,13 +50,7 @@ def model_dir(tmp_path_factory):
 def reference(model_dir):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
-    refs = []
-    for prompt in PROMPTS:
-        out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=MAX_NEW, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-        refs.append(out[0, len(prompt):].tolist())
-    return refs
+    return greedy_of(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda(), PROMPTS, MAX_NEW)
 
 
 def _generate(model_dir, dtype, scheduler="sarathi", **kw):

@@ -19,7 +19,7 @@ from replica_worker.engine.attention import build_attention_metadata
 from replica_worker.engine.attention.flashinfer_backend import flashinfer_importable
 from replica_worker.engine.attention.torch_backend import TorchAttentionBackend
 from replica_worker.engine.config import SCHEDULER_NAMES
-from tests.engine.hf_reference import prefix_agreement
+from tests.engine.hf_reference import greedy_of, prefix_agreement
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -90,12 +90,7 @@ def references(windowed_model):
 
     def greedy(**overrides):
         hf = AutoModelForCausalLM.from_pretrained(windowed_model, dtype=torch.float32, **overrides).cuda()
-        outs = []
-        for prompt in PROMPTS:
-            out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=MAX_NEW, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-            outs.append(out[0, len(prompt):].tolist())
-        return outs
+        return greedy_of(hf, PROMPTS, MAX_NEW)
 
     windowed, full = greedy(), greedy(sliding_window=None)
     assert windowed != full, "the window changes nothing here: pick longer prompts or a smaller window"
