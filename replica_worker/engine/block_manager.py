@@ -22,6 +22,15 @@ a cached block holding that token is not reused, since its slot would be
 written again while other sequences may read it (a context of an exact
 multiple of the block size recomputes its last block).
 
+Sliding windows (a model whose query at p sees only keys > p - W): a block
+every later query of a sequence is past is given back while the sequence
+runs (release_out_of_window), so a long sequence holds about W tokens of KV,
+not its whole context. Its table entry then names the manager's null block, a
+block taken once and never written (its KV stays zeros), so the attention
+backends, which mask keys outside the window, never read another sequence's
+live block through it. With prefix caching only blocks already cached are
+given back; they stay cached (evictable) for later hits.
+
 Two variants, as in Sarathi-Serve's baselines:
 - BlockManager allocates on demand: the current context at admission, then a
   block at a time as the sequence grows (vllm, sarathi, simple_chunking);
@@ -43,23 +52,30 @@ from replica_worker.engine.sequence import Sequence
 class _Holding:
     block_ids: list[int]  # the very list handed to the sequence as seq.block_ids
     num_cached: int  # leading blocks already in the cache (hits, or cached once computed)
+    num_released: int = 0  # leading blocks given back past the window (entries: the null block)
 
 
 class BlockManager:
     def __init__(
         self, num_blocks: int, block_size: int, watermark: float = 0.01,
-        enable_prefix_caching: bool = True, hash_salt: bytes = b"",
+        enable_prefix_caching: bool = True, hash_salt: bytes = b"", sliding_window: int | None = None,
     ) -> None:
         assert num_blocks > 0 and block_size > 0, (num_blocks, block_size)
         assert 0.0 <= watermark < 1.0, watermark
+        assert sliding_window is None or sliding_window > 0, sliding_window
+        assert sliding_window is None or num_blocks > 1, "a windowed cache needs a block besides the null block"
         self.block_size = block_size
-        self._num_total_blocks = num_blocks
+        self._num_total_blocks = num_blocks - (1 if sliding_window else 0)  # the null block left out
         # Headroom kept free when admitting, so that admitting a prompt does not
         # immediately force running sequences' next decodes into preemption.
         self.watermark_blocks = int(watermark * num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = BlockHasher(block_size, hash_salt)
         self._pool = BlockPool(num_blocks)
+        self.sliding_window = sliding_window
+        # Held for good (never freed, never cached, never written): what a
+        # given-back entry of a block table names.
+        self._null_block = self._pool.take(1)[0] if sliding_window else None
         self._holdings: dict[str, _Holding] = {}
         self._queries = 0
         self._hits = 0
@@ -178,6 +194,35 @@ class BlockManager:
         seq.block_ids.extend(self._pool.take(extra))
 
     # ---- release ----
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Gives back seq's leading blocks that no query from its next chunk on
+        can see: that chunk starts at num_computed_tokens, and a query at p sees
+        keys > p - W, so every block wholly before num_computed_tokens - W + 1.
+        Call it when scheduling, before the step's inputs are built: steps
+        launched before it read the blocks first (one stream runs steps in
+        order), and a block taken by another sequence is written only after.
+        Returns the number of blocks given back."""
+        holding = self._holdings.get(seq.seq_id)
+        if self.sliding_window is None or holding is None:
+            return 0
+        first_visible = seq.num_computed_tokens - self.sliding_window + 1
+        until = max(0, first_visible) // self.block_size
+        if self.enable_prefix_caching:
+            until = min(until, holding.num_cached)  # cache_computed still hashes the rest
+        start = holding.num_released
+        if until <= start:
+            return 0
+        for i in range(start, until):
+            self._pool.unref(holding.block_ids[i])
+            holding.block_ids[i] = self._null_block
+        holding.num_released = until
+        return until - start
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """Blocks seq holds now (given-back entries left out)."""
+        holding = self._holdings.get(seq.seq_id)
+        return 0 if holding is None else len(holding.block_ids) - holding.num_released
+
     def free(self, seq: Sequence) -> None:
         """Releases seq's blocks; its computed full blocks stay cached. The
         tail goes first, so that eviction takes a chain's end before its start
@@ -186,7 +231,7 @@ class BlockManager:
         assert holding is not None, f"double free (or never allocated): {seq}"
         assert seq.block_ids is holding.block_ids, f"{seq} holds a block table the manager did not hand out"
         self.cache_computed(seq)
-        for block_id in reversed(holding.block_ids):
+        for block_id in reversed(holding.block_ids[holding.num_released:]):
             self._pool.unref(block_id)
         del self._holdings[seq.seq_id]
         seq.block_ids = []
@@ -209,9 +254,9 @@ class ReservingBlockManager(BlockManager):
 
     def __init__(
         self, num_blocks: int, block_size: int, max_model_len: int,
-        enable_prefix_caching: bool = True, hash_salt: bytes = b"",
+        enable_prefix_caching: bool = True, hash_salt: bytes = b"", sliding_window: int | None = None,
     ) -> None:
-        super().__init__(num_blocks, block_size, 0.0, enable_prefix_caching, hash_salt)
+        super().__init__(num_blocks, block_size, 0.0, enable_prefix_caching, hash_salt, sliding_window)
         self.max_model_len = max_model_len
 
     def initial_num_tokens(self, seq: Sequence) -> int:

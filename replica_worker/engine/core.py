@@ -84,7 +84,8 @@ class EngineCore:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.scheduler = make_scheduler(
-            config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len
+            config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len,
+            getattr(self.runner, "sliding_window", None),
         )
         self.tokenizer = tokenizer
         self.eos_token_ids = _eos_ids(

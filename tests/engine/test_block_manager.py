@@ -131,3 +131,60 @@ def test_reserving_manager_reserves_maximum_length_without_watermark():
     assert len(short.block_ids) == 4 and bm.num_free_blocks == 60
     bm.free(short)
     assert bm.num_free_blocks == 64
+
+
+# ---- sliding windows: blocks no later query can see go back ----
+def _advance(bm: BlockManager, seq: Sequence, tokens: int) -> None:
+    """As the engine does: slots first, then the tokens computed and cached."""
+    bm.append(seq, tokens)
+    seq.num_computed_tokens += tokens
+    bm.cache_computed(seq)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_window_gives_back_blocks_before_the_next_chunks_first_visible_key(prefix_caching):
+    # Window 8, blocks of 4: a chunk starting at p sees keys from p - 7 on.
+    bm = BlockManager(12, 4, 0.0, enable_prefix_caching=prefix_caching, sliding_window=8)
+    assert bm.num_total_blocks == 11 and bm.num_free_blocks == 11  # the null block is nobody's
+    seq = seq_of("a", 12)
+    bm.allocate(seq)
+    _advance(bm, seq, 12)
+    # Next chunk at 12 sees 5..: block 0 (keys 0-3) is past, block 1 (4-7) is not.
+    assert bm.release_out_of_window(seq) == 1
+    null = seq.block_ids[0]
+    assert bm.num_held_blocks(seq) == 2 and bm.num_free_blocks == 11 - 2
+    assert bm.release_out_of_window(seq) == 0  # nothing more until the chunk start moves
+    for _ in range(5):
+        _advance(bm, seq, 1)  # decodes to 17: sees 10.., so block 1 goes too
+    assert bm.release_out_of_window(seq) == 1
+    assert seq.block_ids[:2] == [null, null] and bm.num_held_blocks(seq) == 3
+    assert null not in seq.block_ids[2:]
+    bm.free(seq)
+    assert bm.num_free_blocks == 11 and seq.block_ids == []
+
+
+def test_window_gives_back_only_cached_blocks_and_they_serve_later_hits():
+    bm = BlockManager(12, 4, 0.0, sliding_window=4)
+    seq = seq_of("a", 16)
+    bm.allocate(seq)
+    seq.num_computed_tokens = 16  # computed, but cache_computed has not run yet
+    assert bm.release_out_of_window(seq) == 0, "an uncached block went back before it was hashed"
+    bm.cache_computed(seq)
+    assert bm.release_out_of_window(seq) == 3  # the chunk at 16 sees 13..
+    assert bm.pool.num_evictable == 3  # still cached, held by nobody
+    twin = seq_of("b", 16)
+    assert bm.num_cached_prefix_tokens(twin) == 12  # the whole chain up to the last block
+    bm.free(seq)
+    bm.allocate(twin)
+    assert twin.num_computed_tokens == 12
+    bm.free(twin)
+    assert bm.num_free_blocks == 11
+
+
+def test_no_window_takes_no_null_block():
+    bm = BlockManager(4, 4, 0.0)
+    seq = seq_of("a", 16)
+    bm.allocate(seq)
+    seq.num_computed_tokens = 16
+    bm.cache_computed(seq)
+    assert bm.num_total_blocks == 4 and bm.release_out_of_window(seq) == 0 and bm.num_held_blocks(seq) == 4

@@ -38,7 +38,7 @@ def reference(windowed_model):
 @pytest.mark.parametrize("scheduler", SCHEDULER_NAMES)
 @pytest.mark.parametrize("kwargs", [
     dict(chunk_size=6, num_blocks=128, max_num_batched_tokens=128, block_size=4),  # chunks under the window
-    dict(chunk_size=32, num_blocks=40, max_num_batched_tokens=128, block_size=4),  # whole prompts; preemption
+    dict(chunk_size=32, num_blocks=30, max_num_batched_tokens=128, block_size=4),  # whole prompts, a tight cache
 ], ids=["small-chunks", "tight-cache"])
 def test_windowed_greedy_equals_transformers(windowed_model, reference, scheduler, kwargs):
     llm = LLM(windowed_model, scheduler=scheduler, **kwargs)
@@ -46,9 +46,63 @@ def test_windowed_greedy_equals_transformers(windowed_model, reference, schedule
     outs = [r.outputs[0] for r in llm.generate(PROMPTS, GREEDY)]
     for prompt, ref, out in zip(PROMPTS, reference, outs):
         assert out.token_ids == ref, f"{scheduler}: prompt of {len(prompt)} tokens diverged"
-    if kwargs["num_blocks"] * kwargs["block_size"] < sum(len(p) + MAX_NEW for p in PROMPTS) \
-            and scheduler in ("sarathi", "vllm", "simple_chunking"):
-        assert sum(o.metrics.num_preemptions for o in outs) > 0, "the tight cache was meant to force preemption"
+    _all_blocks_back(llm)
+
+
+def _all_blocks_back(llm):
+    bm = llm.engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks, "blocks still held after every request finished"
+
+
+# Six short prompts growing together in blocks longer than the window: each grows
+# by a block before it can give one back, so a cache of 8 blocks preempts.
+GROWING = [[(i * 31 + k * 7) % 500 + 3 for i in range(10 + k)] for k in range(6)]
+GROWING_NEW = 30
+
+
+@pytest.mark.parametrize("scheduler", ["sarathi", "vllm", "simple_chunking"])
+def test_windowed_preemption_equals_transformers(windowed_model, scheduler):
+    """Preempted mid-run, its given-back blocks cached or evicted meanwhile, a
+    sequence recomputes and still matches transformers."""
+    refs = hf_greedy(windowed_model, GROWING, GROWING_NEW)
+    assert refs != hf_greedy(windowed_model, GROWING, GROWING_NEW, sliding_window=None)
+    llm = LLM(windowed_model, scheduler=scheduler, chunk_size=32, num_blocks=9,
+              max_num_batched_tokens=128, block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=GROWING_NEW, ignore_eos=True)
+    outs = [r.outputs[0] for r in llm.generate(GROWING, params)]
+    assert sum(o.metrics.num_preemptions for o in outs) > 0, "the tiny cache was meant to force preemption"
+    assert [o.token_ids for o in outs] == refs
+    _all_blocks_back(llm)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["cached", "uncached"])
+def test_a_long_windowed_sequence_holds_about_a_window_of_blocks(windowed_model, prefix_caching):
+    """Far past the window, a sequence holds the blocks its next queries can see
+    (the window, the block the window starts in, the block being written), not
+    its whole context; four such sequences run at once in a cache that could
+    not hold one of them whole beside the others."""
+    block, new = 4, 120
+    llm = LLM(windowed_model, chunk_size=16, num_blocks=64, block_size=block,
+              enable_prefix_caching=prefix_caching)
+    engine, bm = llm.engine, llm.engine.scheduler.block_manager
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    prompts = [[(i * 13 + k) % 500 + 3 for i in range(20)] for k in range(4)]
+    for k, prompt in enumerate(prompts):
+        engine.add_request(f"r{k}", prompt, params)
+    assert 4 * bm.blocks_needed(20 + new) > bm.num_total_blocks
+    most_held = most_running = 0
+    while engine.has_unfinished():
+        engine.step()
+        most_running = max(most_running, len(engine.scheduler.running))
+        for seq in engine.scheduler.running:
+            most_held = max(most_held, bm.num_held_blocks(seq))
+    assert most_running == 4
+    # A chunk may start at most one block past the window, and async steps keep one more.
+    assert most_held <= WINDOW // block + 3, most_held
+    assert engine.scheduler.running == [] and bm.num_free_blocks == bm.num_total_blocks
+    # Run again (with caching on, from what the first run left cached) against transformers.
+    got = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    assert got == hf_greedy(windowed_model, prompts, new)
 
 
 def test_window_longer_than_the_context_is_full_attention(windowed_model):

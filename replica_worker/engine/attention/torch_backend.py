@@ -3,7 +3,8 @@
 Prefill chunks run one scaled_dot_product_attention each against their
 gathered context; all decodes run as one padded, masked batch. Every index
 tensor and mask is built once per step in prepare(), not per layer. A sliding
-window only narrows the masks: the cache keeps every position.
+window only narrows the masks: pages wholly before a sequence's window may
+name the block manager's null block (zeros), which the masks hide.
 
 On CUDA this is the fallback (flashinfer cannot serve the model, or is not
 importable), and the KV cache is sized from a profiling prefill with no

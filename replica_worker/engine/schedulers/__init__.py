@@ -29,12 +29,13 @@ def make_scheduler(
     cache_config: CacheConfig,
     num_blocks: int,
     max_model_len: int,
+    sliding_window: int | None = None,
 ) -> BaseScheduler:
     try:
         cls = SCHEDULERS[scheduler_config.name]
     except KeyError:
         raise ValueError(f"unknown scheduler {scheduler_config.name!r}; known: {sorted(SCHEDULERS)}") from None
-    return cls(scheduler_config, cache_config, num_blocks, max_model_len)
+    return cls(scheduler_config, cache_config, num_blocks, max_model_len, sliding_window)
 
 
 __all__ = [

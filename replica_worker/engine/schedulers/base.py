@@ -109,9 +109,11 @@ class BaseScheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        sliding_window: int | None = None,
     ) -> None:
         self.config = scheduler_config
         self.max_model_len = max_model_len
+        self.sliding_window = sliding_window
         self.block_manager = self._make_block_manager(cache_config, num_blocks)
         self.budget = self._step_budget()
         # Decodes cost a token each: capping concurrency at the budget keeps a
@@ -128,7 +130,7 @@ class BaseScheduler:
     # ---- subclass hooks ----
     def _make_block_manager(self, cache_config: CacheConfig, num_blocks: int) -> BlockManager:
         return BlockManager(num_blocks, cache_config.block_size, cache_config.watermark,
-                            cache_config.enable_prefix_caching)
+                            cache_config.enable_prefix_caching, sliding_window=self.sliding_window)
 
     def _step_budget(self) -> int:
         return self.config.max_num_batched_tokens or self.max_model_len
@@ -170,6 +172,10 @@ class BaseScheduler:
             self._release(seq)
 
     def schedule(self) -> SchedulerOutput:
+        if self.sliding_window is not None:
+            # Before this step's admissions and growth, which may use what comes back.
+            for seq in self.running:
+                self.block_manager.release_out_of_window(seq)
         step = _Step(self.budget)
         self._schedule(step)
         for chunk in step.prefills + step.decodes:

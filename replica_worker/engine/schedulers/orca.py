@@ -20,7 +20,7 @@ class OrcaScheduler(BaseScheduler):
 
     def _make_block_manager(self, cache_config: CacheConfig, num_blocks: int) -> BlockManager:
         return ReservingBlockManager(num_blocks, cache_config.block_size, self.max_model_len,
-                                     cache_config.enable_prefix_caching)
+                                     cache_config.enable_prefix_caching, sliding_window=self.sliding_window)
 
     def _schedule(self, step: _Step) -> None:
         prefilling = self._schedule_decodes(step)

@@ -33,7 +33,8 @@ def chunk_size_schedule(low: int, high: int, stages: int) -> list[int]:
 
 
 class SarathiScheduler(BaseScheduler):
-    def __init__(self, scheduler_config, cache_config, num_blocks: int, max_model_len: int) -> None:
+    def __init__(self, scheduler_config, cache_config, num_blocks: int, max_model_len: int,
+                 sliding_window: int | None = None) -> None:
         cfg = scheduler_config
         # Set before the base constructor, which asks for the step budget.
         self._chunk_sizes: list[int] | None = None
@@ -43,7 +44,7 @@ class SarathiScheduler(BaseScheduler):
                 cfg.low_chunk_size, cfg.high_chunk_size, cfg.chunk_schedule_stages
             )
             self._tokens_per_stage = math.ceil(cfg.chunk_schedule_max_tokens / cfg.chunk_schedule_stages)
-        super().__init__(scheduler_config, cache_config, num_blocks, max_model_len)
+        super().__init__(scheduler_config, cache_config, num_blocks, max_model_len, sliding_window)
 
     def _step_budget(self) -> int:
         # Under the dynamic schedule a step holds at most the largest stage's chunk.
