@@ -29,6 +29,11 @@ class Child:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def terminate(self) -> None:
+        """SIGTERM without waiting (replicas drain on it): several children stop at once."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float) -> int | None:
         """SIGTERM (replicas drain on it), then SIGKILL after timeout."""
         if self.alive():

@@ -57,21 +57,29 @@ def _all_blocks_back(llm):
 # Six short prompts growing together in blocks longer than the window: each grows
 # by a block before it can give one back, so a cache of 8 blocks preempts.
 GROWING = [[(i * 31 + k * 7) % 500 + 3 for i in range(10 + k)] for k in range(6)]
-GROWING_NEW = 30
+GROWING_NEW = 24
+# Four prompts whose outputs run far past the window.
+LONG = [[(i * 13 + k) % 500 + 3 for i in range(20)] for k in range(4)]
+LONG_NEW = 64
 
 
-@pytest.mark.parametrize("scheduler", ["sarathi", "vllm", "simple_chunking"])
-def test_windowed_preemption_equals_transformers(windowed_model, scheduler):
-    """Preempted mid-run, its given-back blocks cached or evicted meanwhile, a
-    sequence recomputes and still matches transformers."""
+@pytest.fixture(scope="module")
+def growing_reference(windowed_model):
     refs = hf_greedy(windowed_model, GROWING, GROWING_NEW)
     assert refs != hf_greedy(windowed_model, GROWING, GROWING_NEW, sliding_window=None)
+    return refs
+
+
+@pytest.mark.parametrize("scheduler", ["sarathi", "vllm"])
+def test_windowed_preemption_equals_transformers(windowed_model, growing_reference, scheduler):
+    """Preempted mid-run, its given-back blocks cached or evicted meanwhile, a
+    sequence recomputes and still matches transformers."""
     llm = LLM(windowed_model, scheduler=scheduler, chunk_size=32, num_blocks=9,
               max_num_batched_tokens=128, block_size=16)
     params = SamplingParams(temperature=0.0, max_tokens=GROWING_NEW, ignore_eos=True)
     outs = [r.outputs[0] for r in llm.generate(GROWING, params)]
     assert sum(o.metrics.num_preemptions for o in outs) > 0, "the tiny cache was meant to force preemption"
-    assert [o.token_ids for o in outs] == refs
+    assert [o.token_ids for o in outs] == growing_reference
     _all_blocks_back(llm)
 
 
@@ -80,45 +88,25 @@ def test_a_long_windowed_sequence_holds_about_a_window_of_blocks(windowed_model,
     """Far past the window, a sequence holds the blocks its next queries can see
     (the window, the block the window starts in, the block being written), not
     its whole context; four such sequences run at once in a cache that could
-    not hold one of them whole beside the others."""
-    block, new = 4, 120
-    llm = LLM(windowed_model, chunk_size=16, num_blocks=64, block_size=block,
+    not hold them whole side by side."""
+    block = 4
+    llm = LLM(windowed_model, chunk_size=16, num_blocks=48, block_size=block,
               enable_prefix_caching=prefix_caching)
     engine, bm = llm.engine, llm.engine.scheduler.block_manager
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    prompts = [[(i * 13 + k) % 500 + 3 for i in range(20)] for k in range(4)]
-    for k, prompt in enumerate(prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=LONG_NEW, ignore_eos=True)
+    for k, prompt in enumerate(LONG):
         engine.add_request(f"r{k}", prompt, params)
-    assert 4 * bm.blocks_needed(20 + new) > bm.num_total_blocks
+    assert len(LONG) * bm.blocks_needed(len(LONG[0]) + LONG_NEW) > bm.num_total_blocks
     most_held = most_running = 0
     while engine.has_unfinished():
         engine.step()
         most_running = max(most_running, len(engine.scheduler.running))
         for seq in engine.scheduler.running:
             most_held = max(most_held, bm.num_held_blocks(seq))
-    assert most_running == 4
+    assert most_running == len(LONG)
     # A chunk may start at most one block past the window, and async steps keep one more.
     assert most_held <= WINDOW // block + 3, most_held
     assert engine.scheduler.running == [] and bm.num_free_blocks == bm.num_total_blocks
-    # Run again (with caching on, from what the first run left cached) against transformers.
-    got = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
-    assert got == hf_greedy(windowed_model, prompts, new)
-
-
-def test_window_longer_than_the_context_is_full_attention(windowed_model):
-    llm = LLM(windowed_model, max_model_len=WINDOW)
-    assert llm.engine.runner.backend.sliding_window is None
-
-
-def test_which_configs_have_a_window():
-    mistral = transformers.MistralConfig(sliding_window=4096)
-    assert sliding_window_of(mistral, 32768) == 4096
-    assert sliding_window_of(mistral, 4096) is None  # the window never binds
-    assert sliding_window_of(transformers.MistralConfig(sliding_window=None), 32768) is None
-    qwen_off = transformers.Qwen2Config(use_sliding_window=False, sliding_window=4096, num_hidden_layers=4)
-    assert sliding_window_of(qwen_off, 32768) is None
-    qwen_mixed = transformers.Qwen2Config(use_sliding_window=True, sliding_window=4096, num_hidden_layers=4,
-                                          max_window_layers=2)
-    with pytest.raises(ValueError, match="mixes attention kinds"):
-        sliding_window_of(qwen_mixed, 32768)
-
+    if prefix_caching:  # run again, from what the first run left cached, against transformers
+        got = [r.outputs[0].token_ids for r in llm.generate(LONG, params)]
+        assert got == hf_greedy(windowed_model, LONG, LONG_NEW)
