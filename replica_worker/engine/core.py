@@ -247,7 +247,11 @@ class EngineCore:
 
     def _roll_back(self, launched: _Launched) -> None:
         """The state before `launched`: its placeholders dropped, its computed tokens
-        uncounted (a sequence preempted since has none to uncount)."""
+        uncounted (a sequence preempted since has none to uncount). Under a sliding
+        window the blocks its chunks read may have been given back since
+        (BlockManager.release_out_of_window), so computing them again here would read
+        the null block: every caller aborts the requests after a failed step instead
+        (the worker hands them back, LLM.generate aborts what is unfinished)."""
         for chunk in launched.chunks:
             seq = chunk.seq
             if seq.is_finished:
