@@ -66,9 +66,11 @@ def test_tls_serves_trusting_clients_and_a_real_worker(arun, redis_url, tiny_mod
         config = make_config(redis_url, tiny_model, tls_cert_file=cert, tls_key_file=key)
         async with running_router(config) as app:
             target = f"localhost:{app.port}"
-            worker = build_worker(parse_args(["--router", target, "--model", str(tiny_model),
-                                              "--replica-id", "tls-replica", "--tls-ca-file", cert,
-                                              "--num-blocks", "64"]))
+            # Built off the loop: loading the tokenizer and starting the engine process
+            # take seconds, and the router on this loop must keep renewing its lease.
+            worker = await asyncio.to_thread(build_worker, parse_args([
+                "--router", target, "--model", str(tiny_model), "--replica-id", "tls-replica",
+                "--tls-ca-file", cert, "--num-blocks", "64"]))
             task = asyncio.create_task(worker.run())
             try:
                 async with aio_channel(target, ca_file=cert) as channel:

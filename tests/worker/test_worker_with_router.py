@@ -21,8 +21,10 @@ async def run_worker(address: str, model: str, *args: str, engine_thread: bool =
     """engine_thread: the engine steps on a thread of this process, where a test can
     reach into it (worker.engine_loop._engine); else in a process of its own."""
     args = ("--engine-thread", *args) if engine_thread else args
-    worker = build_worker(parse_args(["--router", address, "--model", str(model),
-                                      "--replica-id", "w0", "--threads", "1", *args]))
+    # Built off the loop: loading the model takes seconds, and a router on this loop
+    # must keep renewing its lease meanwhile.
+    worker = await asyncio.to_thread(build_worker, parse_args([
+        "--router", address, "--model", str(model), "--replica-id", "w0", "--threads", "1", *args]))
     task = asyncio.create_task(worker.run())
     await wait_until(lambda: worker._outbox is not None, timeout=30)
     return worker, task
