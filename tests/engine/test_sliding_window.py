@@ -110,3 +110,21 @@ def test_a_long_windowed_sequence_holds_about_a_window_of_blocks(windowed_model,
     if prefix_caching:  # run again, from what the first run left cached, against transformers
         got = [r.outputs[0].token_ids for r in llm.generate(LONG, params)]
         assert got == hf_greedy(windowed_model, LONG, LONG_NEW)
+
+
+def test_window_longer_than_the_context_is_full_attention(windowed_model):
+    llm = LLM(windowed_model, max_model_len=WINDOW)
+    assert llm.engine.runner.backend.sliding_window is None
+
+
+def test_which_configs_have_a_window():
+    mistral = transformers.MistralConfig(sliding_window=4096)
+    assert sliding_window_of(mistral, 32768) == 4096
+    assert sliding_window_of(mistral, 4096) is None  # the window never binds
+    assert sliding_window_of(transformers.MistralConfig(sliding_window=None), 32768) is None
+    qwen_off = transformers.Qwen2Config(use_sliding_window=False, sliding_window=4096, num_hidden_layers=4)
+    assert sliding_window_of(qwen_off, 32768) is None
+    qwen_mixed = transformers.Qwen2Config(use_sliding_window=True, sliding_window=4096, num_hidden_layers=4,
+                                          max_window_layers=2)
+    with pytest.raises(ValueError, match="mixes attention kinds"):
+        sliding_window_of(qwen_mixed, 32768)
