@@ -53,6 +53,75 @@ def load_encoder(model_dir: str):
     return Tokenizer.from_file(str(folder / "tokenizer.json"))
 
 
+# tokenizer_config.json classes whose tokenizer is tokenizer.json as it stands
+# (transformers' TokenizersBackend; PreTrainedTokenizerFast before it): they
+# decode as the fast tokenizer does. Other classes may rebuild its parts.
+_PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+class TextDecoder:
+    """What a replica needs of a tokenizer (its EOS id, decoding), from
+    tokenizer.json alone: load_decoder's light path. backend_tokenizer is the
+    fast tokenizer, as transformers names it, so the detokenizer calls it
+    directly (replica_worker/engine/detokenizer.py)."""
+
+    clean_up_tokenization_spaces = False
+
+    def __init__(self, backend, eos_token_id: int | None) -> None:
+        self.backend_tokenizer = backend
+        self.eos_token_id = eos_token_id
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an
+    AddedToken's fields ({"content": ...})."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+@lru_cache(maxsize=8)
+def load_decoder(model_dir: str):
+    """The folder's tokenizer for decoding output and knowing its EOS: a
+    TextDecoder from tokenizer.json where that decodes exactly as
+    load_tokenizer's would, else load_tokenizer's own. The light path loads in
+    milliseconds; transformers' tokenizer imports transformers and torch (about
+    6 s of CPU on a 2-core machine), which a replica worker, whose engine runs
+    in a process of its own, needs for nothing else.
+
+    It is taken only where nothing can differ: a plain tokenizer class
+    (_PLAIN_CLASSES), no key that rewrites the fast tokenizer
+    (_REWRITING_KEYS), no space clean-up after decoding, and an EOS token
+    named in tokenizer_config.json (or special_tokens_map.json) that the
+    vocabulary holds, or none named at all."""
+    folder = Path(model_dir)
+    config_path = folder / "tokenizer_config.json"
+    if not (folder / "tokenizer.json").exists() or not config_path.exists():
+        return load_tokenizer(model_dir)
+    config = json.loads(config_path.read_text())
+    if (config.get("tokenizer_class") not in _PLAIN_CLASSES
+            or any(key in config for key in _REWRITING_KEYS)
+            or config.get("clean_up_tokenization_spaces")):
+        return load_tokenizer(model_dir)
+    eos = config.get("eos_token")
+    special_map = folder / "special_tokens_map.json"
+    if eos is None and special_map.exists():
+        eos = json.loads(special_map.read_text()).get("eos_token")
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos_id = None
+    if eos is not None:
+        text = _token_text(eos)
+        eos_id = backend.token_to_id(text) if text is not None else None
+        if eos_id is None:
+            return load_tokenizer(model_dir)
+    return TextDecoder(backend, eos_id)
+
+
 def encode_prompt(tokenizer, text: str) -> list[int]:
     """A text prompt's token ids, with the special tokens the tokenizer adds (a BOS for
     Llama-style tokenizers), as vLLM's completions API encodes it. The router and

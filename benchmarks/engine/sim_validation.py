@@ -35,7 +35,7 @@ from pathlib import Path
 from benchmarks.common import RESULTS, summarize
 from benchmarks.harness.workload import PRESETS, WorkloadSpec, generate
 from replica_worker.engine.core import EngineCore
-from replica_worker.engine.llm import engine_config
+from replica_worker.engine.config import engine_config
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.sim.cost_model import load_profile
 from replica_worker.sim.engine import SimulatedEngine

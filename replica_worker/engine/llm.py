@@ -13,40 +13,11 @@ import itertools
 from typing import Sequence as Seq
 
 from common.tokenizer import encode_prompt, load_tokenizer
-from replica_worker.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from replica_worker.engine.config import engine_config
 from replica_worker.engine.core import EngineCore
 from replica_worker.engine.outputs import CompletionOutput, RequestDelta, RequestMetrics, RequestOutput
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.sequence import Sequence
-
-_MODEL_KEYS = {"dtype", "load_format", "max_model_len", "seed", "quantization"}
-_CACHE_KEYS = {"block_size", "num_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "watermark",
-               "enable_prefix_caching"}
-_PARALLEL_KEYS = {"tensor_parallel_size"}
-_SCHEDULER_KEYS = {
-    "max_num_seqs", "chunk_size", "max_num_batched_tokens", "enable_dynamic_chunking_schedule",
-    "low_chunk_size", "high_chunk_size", "chunk_schedule_max_tokens", "chunk_schedule_stages",
-}
-
-
-def engine_config(model: str, scheduler: str = "sarathi", device: str = "cpu",
-                  enable_cuda_graphs: bool = True, async_scheduling: bool | None = None,
-                  **kwargs) -> EngineConfig:
-    """Builds an EngineConfig from flat keyword arguments (as LLM takes them)."""
-    unknown = set(kwargs) - _MODEL_KEYS - _CACHE_KEYS - _SCHEDULER_KEYS - _PARALLEL_KEYS
-    if unknown:
-        raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
-    pick = lambda keys: {k: v for k, v in kwargs.items() if k in keys}  # noqa: E731
-    return EngineConfig(
-        model=ModelConfig(model=str(model), **pick(_MODEL_KEYS)),
-        cache=CacheConfig(**pick(_CACHE_KEYS)),
-        scheduler=SchedulerConfig(name=scheduler, **pick(_SCHEDULER_KEYS)),
-        device=device,
-        enable_cuda_graphs=enable_cuda_graphs,
-        parallel=ParallelConfig(**pick(_PARALLEL_KEYS)),
-        async_scheduling=async_scheduling,
-    )
-
 
 class _Completion:
     """What the deltas of one completion add up to."""

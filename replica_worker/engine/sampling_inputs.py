@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-
 
 if TYPE_CHECKING:
+    import torch
+
     from replica_worker.engine.sampling_params import SamplingParams
 
 # float32 columns, then int32 columns.
@@ -64,16 +64,15 @@ def seeds(cols: np.ndarray) -> np.ndarray:
     return halves[:, 0] | (halves[:, 1] << np.uint64(32))
 
 
-_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
-                 np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
-
-
 def transfer(sections: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     """Named 1-D arrays (int32, int64, float32, float64) -> the same on the device, in one copy.
 
     They travel as one int32 array; each section starts 8-byte aligned so
-    that it can be viewed back as its own dtype.
+    that it can be viewed back as its own dtype. (torch is imported here, not
+    above: a replica worker packs sampling parameters without loading torch.)
     """
+    import torch
+
     words = [np.ascontiguousarray(a).reshape(-1).view(np.int32) for a in sections.values()]
     sizes = [w.size + (w.size & 1) for w in words]
     flat = np.zeros(sum(sizes), dtype=np.int32)
@@ -87,5 +86,5 @@ def transfer(sections: dict[str, np.ndarray], device: torch.device) -> dict[str,
         packed = packed.pin_memory().to(device, non_blocking=True)
     out = {}
     for (name, array), part, w in zip(sections.items(), packed.split(sizes), words):
-        out[name] = part[: w.size].view(_TORCH_DTYPES[array.dtype])
+        out[name] = part[: w.size].view(getattr(torch, array.dtype.name))
     return out

@@ -11,9 +11,8 @@ and max_tokens have no effect: there are no logits to sample from.
 
 from __future__ import annotations
 
-from replica_worker.engine.config import EngineConfig
+from replica_worker.engine.config import EngineConfig, engine_config
 from replica_worker.engine.core import EngineCore
-from replica_worker.engine.llm import engine_config
 from replica_worker.sim.cost_model import Profile
 from replica_worker.sim.runner import SimulatedRunner
 from replica_worker.sim.shared_device import SharedDevice

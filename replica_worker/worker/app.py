@@ -6,9 +6,8 @@ from __future__ import annotations
 import logging
 
 from common.pb.quadriga.v1 import replica_pb2 as pb
-from common.tokenizer import load_tokenizer
-from replica_worker.engine.core import EngineCore
-from replica_worker.engine.llm import engine_config
+from common.tokenizer import load_decoder
+from replica_worker.engine.config import engine_config
 from replica_worker.worker.client import ReplicaWorker
 from replica_worker.worker.config import WorkerConfig
 from replica_worker.worker.engine_process import EngineProcess
@@ -21,8 +20,12 @@ def build_worker(config: WorkerConfig) -> ReplicaWorker:
     engine_cfg = engine_config(
         config.model, scheduler=config.scheduler, device=config.device, **dict(config.engine_args)
     )
-    tokenizer = load_tokenizer(config.model)
+    # The worker only decodes: load_decoder's tokenizer spares this process
+    # transformers and torch, whose imports would double a replica's start-up CPU.
+    tokenizer = load_decoder(config.model)
     if config.engine_thread:
+        from replica_worker.engine.core import EngineCore
+
         if config.engine_threads:
             import torch
 
@@ -38,11 +41,12 @@ def build_worker(config: WorkerConfig) -> ReplicaWorker:
     return worker_for(config, engine)
 
 
-def _info(engine: EngineCore | EngineProcess) -> EngineInfo:
+def _info(engine) -> EngineInfo:
+    """engine: an EngineProcess, or an EngineCore (or replica_worker/sim's) in this process."""
     return engine.info if isinstance(engine, EngineProcess) else EngineInfo.of(engine)
 
 
-def worker_for(config: WorkerConfig, engine: EngineCore | EngineProcess) -> ReplicaWorker:
+def worker_for(config: WorkerConfig, engine) -> ReplicaWorker:
     """A worker around a ready engine (a real one, in this process or its own, or
     replica_worker/sim's), advertising its capacity."""
     info = _info(engine)

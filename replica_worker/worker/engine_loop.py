@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
-
-from replica_worker.engine.core import EngineCore
 from replica_worker.engine.errors import InvalidRequestError
 from replica_worker.engine.kv_events import KVCacheEvents, PrefixCacheStats
 from replica_worker.engine.outputs import EngineLoad, RequestDelta, StepResult
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.schedulers.base import AdmissionCapacity
+
+if TYPE_CHECKING:  # the worker process imports this module without torch
+    from replica_worker.engine.core import EngineCore
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ def is_fatal_device_error(exc: BaseException) -> bool:
     kernel fails too, so the process cannot serve again (an OOM can be recovered)."""
     if "out of memory" in str(exc).lower():
         return False
+    # torch is only imported where an engine runs: without it, no error is torch's.
+    torch = sys.modules.get("torch")
     return isinstance(exc, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(exc)
 
 

@@ -192,7 +192,7 @@ def test_an_abort_while_its_step_is_in_flight_frees_everything(tiny_model):
 
 
 def test_off_by_default_on_the_cpu_and_refused_with_tensor_parallelism(tiny_model):
-    from replica_worker.engine.llm import engine_config
+    from replica_worker.engine.config import engine_config
 
     assert not LLM(str(tiny_model)).engine.async_scheduling
     with pytest.raises(ValueError, match="async scheduling needs tensor_parallel_size 1"):

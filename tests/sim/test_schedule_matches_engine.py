@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from replica_worker.engine.core import EngineCore
-from replica_worker.engine.llm import engine_config
+from replica_worker.engine.config import engine_config
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.schedulers import SCHEDULERS
 from replica_worker.sim.cost_model import load_profile

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.redis_server import free_port
 from common.tokenizer import load_tokenizer
 from replica_worker.engine.core import EngineCore
-from replica_worker.engine.llm import engine_config
+from replica_worker.engine.config import engine_config
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.worker.engine_loop import EngineReport
 from replica_worker.worker.metrics import ReplicaMetrics

@@ -1,6 +1,6 @@
 """--no-prefix-caching reaches the engine's cache config; caching is on by default."""
 
-from replica_worker.engine.llm import engine_config
+from replica_worker.engine.config import engine_config
 from replica_worker.worker.config import parse_args
 
 

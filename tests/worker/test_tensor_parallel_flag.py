@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from replica_worker.engine.llm import engine_config
+from replica_worker.engine.config import engine_config
 from replica_worker.worker.config import parse_args
 from tests.worker.fakes import FakeEngine, Wired, assignment, make_worker
 from tests.worker.test_worker import assign
