@@ -32,12 +32,15 @@ def test_harness_live_compare(tmp_path):
 
 
 def test_harness_live_capacity_search(tmp_path):
-    """Two probes: the first (a low rate) must pass; the JSON keeps both, complete."""
-    result = _harness(tmp_path, "capacity", "--initial-rate", "2", "--max-probes", "2", "-n", "6",
+    """Two probes: the first (a low rate) must pass; the JSON keeps both, complete.
+    At 1 req/s six arrivals span seconds, so one admission a busy machine delays by
+    a tenth of a second does not fail the keep-up rule (it did at 2 req/s, once)."""
+    result = _harness(tmp_path, "capacity", "--initial-rate", "1", "--max-probes", "2", "-n", "6",
                       "--tbt-slo", "5")
     assert result["complete"] is True and len(result["probes"]) == 2
     assert result["rule"] == {"tbt_p99_s": 5.0, "sched_delay_p50_s": 2.0, "keep_up": 0.9, "ttft_p99_s": None}
-    assert result["probes"][0]["passed"] and result["capacity_req_s"] >= 2
+    assert result["probes"][0]["passed"], result["probes"][0]
+    assert result["capacity_req_s"] >= 1
     assert all(p["summary"]["offered_req_s"] and p["summary"]["admitted_req_s"] for p in result["probes"])
     assert (tmp_path / "capacity-capacity.png").stat().st_size > 0
 
