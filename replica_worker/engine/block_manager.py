@@ -29,7 +29,10 @@ not its whole context. Its table entry then names the manager's null block, a
 block taken once and never written (its KV stays zeros), so the attention
 backends, which mask keys outside the window, never read another sequence's
 live block through it. With prefix caching only blocks already cached are
-given back; they stay cached (evictable) for later hits.
+given back; they stay cached (evictable) for later hits. A chunking scheduler
+admits a windowed prompt with its first chunk's blocks only (allocate's
+first_chunk) and appends each later chunk's, so a prompt longer than the cache
+runs in about its window's blocks (peak_blocks).
 
 Two variants, as in Sarathi-Serve's baselines:
 - BlockManager allocates on demand: the current context at admission, then a
@@ -148,28 +151,38 @@ class BlockManager:
         holding.num_cached = full
 
     # ---- admission ----
-    def _blocks_taken(self, seq: Sequence, hits: list[int]) -> int:
+    def _admitted_blocks(self, seq: Sequence, hits: list[int], first_chunk: int | None) -> int:
+        """Blocks seq holds once admitted: its whole initial context, or (first_chunk
+        given) its cached prefix and that many tokens past it."""
+        if first_chunk is None:
+            return self.initial_blocks(seq)
+        return max(len(hits), self.blocks_needed(len(hits) * self.block_size + first_chunk))
+
+    def _blocks_taken(self, seq: Sequence, hits: list[int], first_chunk: int | None = None) -> int:
         """Available blocks that admitting seq uses up: new ones, and cached
         hits that nobody holds (they stop being evictable)."""
         evictable_hits = sum(1 for b in hits if self._pool.is_evictable(b))
-        return self.initial_blocks(seq) - len(hits) + evictable_hits
+        return self._admitted_blocks(seq, hits, first_chunk) - len(hits) + evictable_hits
 
-    def can_allocate(self, seq: Sequence, use_watermark: bool = True) -> bool:
+    def can_allocate(self, seq: Sequence, use_watermark: bool = True, first_chunk: int | None = None) -> bool:
         """use_watermark=False is for admitting into an otherwise idle cache,
         where there is no running sequence for the headroom to protect."""
         reserve = self.watermark_blocks if use_watermark else 0
-        return self.num_free_blocks - self._blocks_taken(seq, self.cached_prefix(seq)) >= reserve
+        return self.num_free_blocks - self._blocks_taken(seq, self.cached_prefix(seq), first_chunk) >= reserve
 
-    def allocate(self, seq: Sequence) -> None:
-        """Blocks for seq's whole initial context; its cached prefix is reused
-        and counts as computed."""
+    def allocate(self, seq: Sequence, first_chunk: int | None = None) -> None:
+        """Blocks for seq's whole initial context, or (first_chunk given: a windowed
+        prompt taken chunk by chunk, the scheduler appending before each later
+        chunk) for its cached prefix and its first chunk. The cached prefix is
+        reused and counts as computed."""
         assert not self.is_allocated(seq) and not seq.block_ids, f"{seq} already holds blocks"
         assert seq.num_computed_tokens == 0, f"allocate for a sequence with KV already: {seq}"
         hits = self.cached_prefix(seq)
-        assert self._blocks_taken(seq, hits) <= self.num_free_blocks, f"allocate without can_allocate: {seq}"
+        assert self._blocks_taken(seq, hits, first_chunk) <= self.num_free_blocks, \
+            f"allocate without can_allocate: {seq}"
         for block_id in hits:  # before take(), which could evict them otherwise
             self._pool.ref(block_id)
-        seq.block_ids = hits + self._pool.take(self.initial_blocks(seq) - len(hits))
+        seq.block_ids = hits + self._pool.take(self._admitted_blocks(seq, hits, first_chunk) - len(hits))
         self._holdings[seq.seq_id] = _Holding(seq.block_ids, len(hits))
         seq.num_computed_tokens = len(hits) * self.block_size
         if seq.num_preemptions == 0:
@@ -217,6 +230,19 @@ class BlockManager:
             holding.block_ids[i] = self._null_block
         holding.num_released = until
         return until - start
+
+    def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a sequence whose context reaches num_tokens holds at
+        once, computed in chunks of at most max_chunk tokens. With a window, a
+        chunk's queries see at most W - 1 keys before it, and blocks before those
+        are given back (release_out_of_window), so a long context holds about W +
+        max_chunk tokens, plus a partly visible block at each end. (Decodes are
+        chunks of one.) Only cached blocks go back with prefix caching, and a
+        block is cached once its step is done, so that bound holds there too."""
+        whole = self.blocks_needed(num_tokens)
+        if self.sliding_window is None:
+            return whole
+        return min(whole, self.blocks_needed(self.sliding_window - 1 + max_chunk) + 1)
 
     def num_held_blocks(self, seq: Sequence) -> int:
         """Blocks seq holds now (given-back entries left out)."""

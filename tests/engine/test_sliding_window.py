@@ -8,6 +8,10 @@ import transformers
 
 from replica_worker import LLM, SamplingParams
 from replica_worker.engine.config import SCHEDULER_NAMES
+from replica_worker.engine.errors import InvalidRequestError
+from replica_worker.engine.config import CacheConfig, SchedulerConfig
+from replica_worker.engine.schedulers import make_scheduler
+from replica_worker.engine.sequence import Sequence
 from replica_worker.engine.model import sliding_window_of
 from tests.engine.hf_reference import hf_greedy
 
@@ -110,6 +114,77 @@ def test_a_long_windowed_sequence_holds_about_a_window_of_blocks(windowed_model,
     if prefix_caching:  # run again, from what the first run left cached, against transformers
         got = [r.outputs[0].token_ids for r in llm.generate(LONG, params)]
         assert got == hf_greedy(windowed_model, LONG, LONG_NEW)
+
+
+# Prompts longer than the whole cache of the test below (120 tokens against 60
+# usable slots): taken chunk by chunk, each holds about its window's blocks.
+VERY_LONG = [[(i * 29 + k * 3) % 500 + 3 for i in range(120)] for k in range(3)]
+VERY_LONG_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def very_long_reference(windowed_model):
+    return hf_greedy(windowed_model, VERY_LONG, VERY_LONG_NEW)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["cached", "uncached"])
+@pytest.mark.parametrize("scheduler", ["sarathi", "simple_chunking"])
+def test_a_windowed_prompt_longer_than_the_cache_runs_chunk_by_chunk(windowed_model, very_long_reference,
+                                                                    scheduler, prefix_caching):
+    """A chunking scheduler admits a windowed prompt with its first chunk's blocks
+    and appends each later chunk's, while the blocks behind the window go back:
+    three prompts, each longer than the cache, run (side by side as far as blocks
+    allow, preempting the latest arrival otherwise), token-exact, each holding at
+    most the window's bound (BlockManager.peak_blocks) at any step."""
+    block, chunk = 4, 6
+    llm = LLM(windowed_model, scheduler=scheduler, chunk_size=chunk, num_blocks=16, block_size=block,
+              max_num_batched_tokens=128, enable_prefix_caching=prefix_caching)
+    engine, bm = llm.engine, llm.engine.scheduler.block_manager
+    assert bm.blocks_needed(len(VERY_LONG[0])) > bm.num_total_blocks
+    params = SamplingParams(temperature=0.0, max_tokens=VERY_LONG_NEW, ignore_eos=True)
+    outs = [r.outputs[0] for r in llm.generate(VERY_LONG, params)]
+    assert [o.token_ids for o in outs] == very_long_reference
+    _all_blocks_back(llm)
+    for k, prompt in enumerate(VERY_LONG):
+        engine.add_request(f"again{k}", prompt, params)
+    most_held = 0
+    while engine.has_unfinished():
+        engine.step()
+        most_held = max([most_held] + [bm.num_held_blocks(s) for s in engine.scheduler.running])
+    assert most_held <= bm.peak_blocks(len(VERY_LONG[0]) + VERY_LONG_NEW, 2 * chunk), most_held
+    _all_blocks_back(llm)
+
+
+def test_a_prompt_that_must_be_held_whole_still_needs_the_cache_to_hold_it(windowed_model):
+    """vllm computes a prompt in one step, so its blocks are needed at once: a
+    windowed prompt longer than the cache is refused there as before."""
+    llm = LLM(windowed_model, scheduler="vllm", num_blocks=16, block_size=4, max_num_batched_tokens=128)
+    with pytest.raises(InvalidRequestError, match="can never fit"):
+        llm.generate(VERY_LONG[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+
+
+def test_a_windowed_prefill_short_of_blocks_preempts_a_later_arrival():
+    """The scheduler alone: a growing prompt whose next chunk finds no free block
+    takes them from the latest arrival not yet in the step (recomputed later)."""
+    sched = make_scheduler(SchedulerConfig(name="sarathi", chunk_size=8, max_num_batched_tokens=128, max_num_seqs=8),
+                           CacheConfig(block_size=4, watermark=0.0, enable_prefix_caching=False),
+                           num_blocks=10, max_model_len=256, sliding_window=16)
+    bm = sched.block_manager
+    a, b = (Sequence(name, [3] * 40, SamplingParams(max_tokens=8)) for name in ("a", "b"))
+    sched.add_seq(a)
+    sched.add_seq(b)
+    first = sched.schedule()
+    assert [(c.seq, c.num_tokens) for c in first.chunks] == [(a, 8)]
+    a.num_computed_tokens += 8
+    # b, the later arrival, admitted by hand mid-prompt and holding every free block.
+    sched.waiting.remove(b)
+    bm.allocate(b, first_chunk=8)
+    bm.append(b, (len(b.block_ids) + bm.num_free_blocks) * bm.block_size)
+    sched.running.append(b)
+    assert bm.num_free_blocks == 0
+    out = sched.schedule()
+    assert out.preempted == [b] and sched.waiting == [b] and not bm.is_allocated(b)
+    assert [(c.seq, c.num_tokens) for c in out.chunks] == [(a, 8)]
 
 
 def test_window_longer_than_the_context_is_full_attention(windowed_model):

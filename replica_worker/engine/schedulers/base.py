@@ -83,6 +83,9 @@ class _Step:
         self.preempted: list[Sequence] = []
         self.ignored: list[Sequence] = []
         self.scheduled: set[str] = set()
+        # A running prompt's chunk found too few blocks: admission waits too, so
+        # that later arrivals do not take the blocks it waits for.
+        self.prefill_short_of_blocks = False
 
     @property
     def room(self) -> int:
@@ -103,6 +106,12 @@ class _Step:
 class BaseScheduler:
     """Subclasses implement _schedule(step) from the helpers below."""
 
+    # Whether the policy computes prompts in chunks (_admit_waiting and
+    # _schedule_prefills with chunked=True). Then a windowed model's prompt takes
+    # its blocks chunk by chunk (_grows_prefills): a prompt longer than the cache
+    # runs in about its window's blocks.
+    CHUNKS_PREFILLS = False
+
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -116,6 +125,7 @@ class BaseScheduler:
         self.sliding_window = sliding_window
         self.block_manager = self._make_block_manager(cache_config, num_blocks)
         self.budget = self._step_budget()
+        self._grows_prefills = self.CHUNKS_PREFILLS and sliding_window is not None
         # Decodes cost a token each: capping concurrency at the budget keeps a
         # step of all decodes within it.
         self.max_num_seqs = min(scheduler_config.max_num_seqs, self._min_step_budget())
@@ -202,7 +212,24 @@ class BaseScheduler:
         """A sequence whose context reaches num_tokens can always be scheduled
         alone: admission skips the watermark when nothing else runs."""
         bm = self.block_manager
-        return num_tokens <= self.prompt_limit and bm.blocks_needed(num_tokens) <= bm.num_total_blocks
+        return num_tokens <= self.prompt_limit and self._peak_blocks(num_tokens) <= bm.num_total_blocks
+
+    def _peak_blocks(self, num_tokens: int) -> int:
+        """The most blocks a sequence whose context reaches num_tokens holds at once.
+        Growing chunk by chunk, it is bounded by its window (BlockManager.peak_blocks),
+        at chunks of twice a step's budget: with async scheduling a step's full
+        blocks are cached (and so can be given back) only after the next step is
+        scheduled."""
+        bm = self.block_manager
+        if not self._grows_prefills:
+            return bm.blocks_needed(num_tokens)
+        return bm.peak_blocks(num_tokens, 2 * self.budget)
+
+    def _admission_blocks(self, seq: Sequence) -> int:
+        """Blocks seq takes when admitted (its first chunk's, when it grows)."""
+        bm = self.block_manager
+        whole = bm.initial_blocks(seq)
+        return min(whole, bm.blocks_needed(self.budget) + 1) if self._grows_prefills else whole
 
     def admission_capacity(self) -> AdmissionCapacity:
         """What new requests could start now without queueing behind others:
@@ -220,7 +247,7 @@ class BaseScheduler:
         """
         bm = self.block_manager
         seats = self.max_num_seqs - len(self.running) - len(self.waiting)
-        owed = sum(bm.initial_blocks(seq) for seq in self.waiting)
+        owed = sum(self._admission_blocks(seq) for seq in self.waiting)
         tokens = (bm.num_free_blocks - bm.watermark_blocks - owed) * bm.block_size
         tokens = min(tokens, max(seats, 0) * self.prompt_limit)
         tokens = min(tokens, ADMISSION_LOOKAHEAD_STEPS * self.budget - self.prefill_backlog())
@@ -261,7 +288,8 @@ class BaseScheduler:
 
     def _never_fits(self, seq: Sequence) -> bool:
         bm = self.block_manager
-        return seq.num_tokens > self.prompt_limit or bm.initial_blocks(seq) > bm.num_total_blocks
+        blocks = self._peak_blocks(seq.num_tokens) if self._grows_prefills else bm.initial_blocks(seq)
+        return seq.num_tokens > self.prompt_limit or blocks > bm.num_total_blocks
 
     def _ignore_head(self, step: _Step) -> None:
         seq = self.waiting[0]
@@ -322,26 +350,54 @@ class BaseScheduler:
                 break
             if seq in step.preempted:  # its cached blocks must not bring it straight back
                 break
+            if step.prefill_short_of_blocks:  # head-of-line: the earlier prompt gets them first
+                break
             # allocate() starts the sequence past its cached prefix.
             cached = bm.num_cached_prefix_tokens(seq)
             num_tokens = self._chunk(cached, seq.num_tokens, step) if chunked else seq.num_tokens - cached
             if num_tokens <= 0 or num_tokens > step.room:
                 break
-            if not bm.can_allocate(seq, use_watermark=bool(self.running)):
+            first_chunk = num_tokens if self._grows_prefills else None
+            if not bm.can_allocate(seq, use_watermark=bool(self.running), first_chunk=first_chunk):
                 break
             self.waiting.pop(0)
-            bm.allocate(seq)
+            bm.allocate(seq, first_chunk)
             assert seq.num_computed_tokens == cached, (seq, cached)
             self.running.append(seq)
             step.add(seq, num_tokens)
 
     def _schedule_prefills(self, step: _Step, seqs: list[Sequence], chunked: bool) -> None:
-        """Continues admitted prefills; their blocks cover the whole context
-        since allocate(), so no append is needed."""
+        """Continues admitted prefills. Their blocks cover the whole context since
+        allocate(), so no append is needed, except where prompts grow chunk by
+        chunk (_grows_prefills): then each chunk's blocks are appended first."""
         for seq in seqs:
+            if seq not in self.running:
+                continue  # preempted for an earlier sequence's chunk in this loop
             num_tokens = self._next_chunk(seq, step) if chunked else seq.num_uncomputed_tokens
-            if 0 < num_tokens <= step.room:
-                step.add(seq, num_tokens)
+            if not 0 < num_tokens <= step.room:
+                continue
+            if self._grows_prefills and not self._blocks_for_chunk(seq, num_tokens, step):
+                step.prefill_short_of_blocks = True
+                continue
+            step.add(seq, num_tokens)
+
+    def _blocks_for_chunk(self, seq: Sequence, num_tokens: int, step: _Step) -> bool:
+        """Appends the blocks of seq's next chunk, preempting by recompute the
+        latest arrivals after seq that this step has not scheduled (nor whose
+        last token is in flight) while blocks are short. False: none to preempt,
+        so seq's chunk waits for a later step (earlier sequences move on and give
+        blocks back: their windows slide, or they finish)."""
+        bm = self.block_manager
+        while not bm.can_append(seq, num_tokens):
+            victims = [s for s in self.running if s is not seq and s.seq_id not in step.scheduled
+                       and not s.last_token_in_flight and self._rank_of(s) > self._rank_of(seq)]
+            if not victims:
+                return False
+            victim = max(victims, key=self._rank_of)
+            self.running.remove(victim)
+            self._preempt(victim, step)
+        bm.append(seq, num_tokens)
+        return True
 
     def _next_chunk(self, seq: Sequence, step: _Step) -> int:
         return self._chunk(seq.num_computed_tokens, seq.num_tokens, step)

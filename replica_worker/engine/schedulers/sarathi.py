@@ -33,6 +33,8 @@ def chunk_size_schedule(low: int, high: int, stages: int) -> list[int]:
 
 
 class SarathiScheduler(BaseScheduler):
+    CHUNKS_PREFILLS = True
+
     def __init__(self, scheduler_config, cache_config, num_blocks: int, max_model_len: int,
                  sliding_window: int | None = None) -> None:
         cfg = scheduler_config

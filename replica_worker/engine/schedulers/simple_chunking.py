@@ -12,6 +12,8 @@ from replica_worker.engine.schedulers.base import BaseScheduler, _Step
 
 
 class SimpleChunkingScheduler(BaseScheduler):
+    CHUNKS_PREFILLS = True
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._prefill_turn = True
