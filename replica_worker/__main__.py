@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -36,7 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     except FatalRegistrationError as exc:
         logging.error("%s", exc)
         return 2
-    return 0
+    # Drained, its engine stopped and joined: the process ends here. The
+    # interpreter's teardown (gRPC core's threads, finalizers) has nothing left to
+    # do for it and, once, held a drained replica past its stop deadline.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

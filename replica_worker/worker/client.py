@@ -35,6 +35,8 @@ from replica_worker.worker.session_state import RequestBook
 
 log = logging.getLogger(__name__)
 
+# How long closing a router channel may take (_close).
+CHANNEL_CLOSE_TIMEOUT_S = 5.0
 # Messages to the router that may wait while gRPC applies flow control; past it the
 # stream is dropped and re-established (the unacknowledged deltas are resent).
 OUTBOX_LIMIT = 10_000
@@ -133,7 +135,7 @@ class ReplicaWorker:
                 log.exception("router session failed; reconnecting")
             finally:
                 self.credit.reset()
-                await channel.close()
+                await self._close(channel)
             if self._done.is_set():
                 return
             self._health.failed(self._address)
@@ -141,6 +143,16 @@ class ReplicaWorker:
             self._expire_if_leases_lapsed()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.config.reconnect_max_s)
+
+    @staticmethod
+    async def _close(channel) -> None:
+        """Closes the channel within CHANNEL_CLOSE_TIMEOUT_S: a worker that drained
+        must exit, and a close left waiting on a stream its router ended (seen once,
+        with a router shutting down as the worker half-closed) would hold it."""
+        try:
+            await asyncio.wait_for(channel.close(), CHANNEL_CLOSE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("the router channel did not close within %.0f s; leaving it", CHANNEL_CLOSE_TIMEOUT_S)
 
     def _next_router(self) -> str:
         """The first router at first (another drawn at random if it is known to be
