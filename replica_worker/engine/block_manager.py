@@ -237,8 +237,9 @@ class BlockManager:
         chunk's queries see at most W - 1 keys before it, and blocks before those
         are given back (release_out_of_window), so a long context holds about W +
         max_chunk tokens, plus a partly visible block at each end. (Decodes are
-        chunks of one.) Only cached blocks go back with prefix caching, and a
-        block is cached once its step is done, so that bound holds there too."""
+        chunks of one.) With prefix caching only cached blocks go back, and a step's
+        blocks are cached once it is done, a step late under async scheduling: the
+        scheduler passes twice its step budget for that (BaseScheduler._peak_blocks)."""
         whole = self.blocks_needed(num_tokens)
         if self.sliding_window is None:
             return whole

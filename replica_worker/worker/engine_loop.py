@@ -112,11 +112,15 @@ class EngineLoop:
             self._wake.notify()
 
     def stop(self, timeout: float | None = 10.0) -> None:
+        """Stops stepping, then shuts the engine down (its other tensor-parallel
+        ranks): whoever stops the loop is done with the engine, and a process may
+        end without its interpreter's exit handlers (replica_worker/__main__.py)."""
         with self._wake:
             self._stopped = True
             self._wake.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._engine.shutdown()
 
     def _run(self) -> None:
         while True:

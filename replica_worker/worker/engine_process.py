@@ -195,8 +195,7 @@ def _engine_main(config: EngineConfig, conn, threads: int, tokenizer_eos) -> Non
                 break
             loop.submit(command)
     finally:
-        loop.stop()
-        engine.shutdown()
+        loop.stop()   # shuts the engine down too
 
 
 def _end_when_orphaned(worker_pid: int) -> None:

@@ -72,6 +72,9 @@ class FakeEngine:
     def abort_request(self, rid) -> bool:
         return self.reqs.pop(rid, None) is not None
 
+    def shutdown(self) -> None:
+        """No other ranks to stop."""
+
     def has_unfinished(self) -> bool:
         return bool(self.reqs) and not self.hold
 

@@ -371,7 +371,7 @@ class BaseScheduler:
         allocate(), so no append is needed, except where prompts grow chunk by
         chunk (_grows_prefills): then each chunk's blocks are appended first."""
         for seq in seqs:
-            if seq not in self.running:
+            if self._grows_prefills and seq not in self.running:
                 continue  # preempted for an earlier sequence's chunk in this loop
             num_tokens = self._next_chunk(seq, step) if chunked else seq.num_uncomputed_tokens
             if not 0 < num_tokens <= step.room:
