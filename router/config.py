@@ -48,6 +48,10 @@ class RouterConfig:
     # (SHOW_OUTPUT below; docs/router.md, Request states).
     show_output: str = "first_and_finish"
     redis_max_in_flight: int = 1       # write batches sent before the first one's replies are back
+    # 1: a request that a pop would take at once is assigned as it arrives, its Assign
+    # sent while its submit is on the way to Redis (scheduling/pull.py take_at_arrival);
+    # 0: every request is stored, then popped.
+    take_at_arrival: int = 1
     shutdown_timeout: float = 5.0      # on SIGTERM: time to make pending writes durable
     max_requeues: int = 8              # a request moved this often between replicas fails
     tokenizer_threads: int = 2
@@ -84,6 +88,8 @@ class RouterConfig:
             problems.append(f"http_max_body_mib must be positive, not {self.http_max_body_mib}")
         if self.policy not in POLICIES:
             problems.append(f"policy: {self.policy!r} is not one of {sorted(POLICIES)}")
+        if self.take_at_arrival not in (0, 1):
+            problems.append(f"take_at_arrival: {self.take_at_arrival} is not 0 or 1")
         if self.show_output not in SHOW_OUTPUT:
             problems.append(f"show_output: {self.show_output!r} is not one of {SHOW_OUTPUT}")
         if self.queue_limit < 1:

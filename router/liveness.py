@@ -8,7 +8,8 @@ away, or this router frozen) lets the lease lapse. Every write then carries
 a router that was cut off finds itself FENCED on its first write back and
 starts over, instead of overwriting what the others did meanwhile. Each
 router also forgets routers whose lease lapsed. A renewal records how many
-replicas this router has and learns how many the others have.
+replicas this router has and learns how many the others have, and how many
+other routers there are.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class RouterLease:
         self.interval = interval
         self.replica_count = replica_count
         self.remote_replicas = 0      # replicas of the other live routers, at the last renewal
+        self.other_routers: int | None = None   # other live routers then (None: not renewed yet)
         self.router_id = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self.epoch = ""
         self._task: asyncio.Task | None = None
@@ -52,9 +54,14 @@ class RouterLease:
         self.writer.post(self.store.renew_router(self.ttl, self.replica_count())).on_done = \
             self._renewed
 
-    def _renewed(self, others) -> None:
-        if isinstance(others, int):
-            self.remote_replicas = others
+    def _renewed(self, reply) -> None:
+        if isinstance(reply, list) and len(reply) == 2:
+            self.remote_replicas, self.other_routers = int(reply[0]), int(reply[1])
+
+    @property
+    def alone(self) -> bool:
+        """Whether the last renewal found no other live router on this Redis."""
+        return self.other_routers == 0
 
     @staticmethod
     def _swept(dead) -> None:

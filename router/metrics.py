@@ -74,7 +74,8 @@ class Metrics:
                                         registry=r)
         self.pull_picks = Counter("quadriga_pull_picks_total",
                                   "Requests a Pull took: in queue order, ahead of older ones "
-                                  "for their cached prefix, or past the wait bound",
+                                  "for their cached prefix, past the wait bound, or as they "
+                                  "arrived (nothing else waiting)",
                                   ["reason"], registry=r)
         self.prefill_rate = Gauge("quadriga_replica_prefill_tokens_per_second",
                                   "A replica's prefill speed from its prefill-heavy steps "

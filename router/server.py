@@ -113,7 +113,7 @@ class RouterApp:
         prefix = PrefixMatcher(self.prefix_index, self.metrics, config.prefix_metrics == "all")
         self.scheduler = PullScheduler(self.table, self.store, self.writer, config.policy,
                                        config.lease_ttl, prefix, PolicySettings.from_config(config),
-                                       self.metrics)
+                                       self.metrics, bool(config.take_at_arrival))
         self.ops = ReplicaOps(self.table, self.scheduler, self.registry, self.metrics,
                               self.limits.vocab_size, config.lease_ttl, self.store, self.writer,
                               self.prefix_index)
@@ -124,6 +124,7 @@ class RouterApp:
         self.lease = RouterLease(self.store, self.writer, config.router_lease_ttl,
                                  config.heartbeat_interval, lambda: len(self.registry))
         self.admission.replicas_elsewhere = lambda: self.lease.remote_replicas
+        self.scheduler.alone = lambda: self.lease.alone
         self.fenced = asyncio.Event()
         self.writer.on_fenced = lambda reason: self.fenced.set()
         self.table.on_queued = self.scheduler.work_arrived

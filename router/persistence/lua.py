@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from router.persistence.lua_common import FINISH_EVENT, fenced
 
-# ARGV: prefix, then 13 per request:
+# ARGV: prefix, then 15 per request:
 #   id, submit token, digest, spec json, packed prompt ids, prompt_len,
 #   max_tokens, priority, arrival, arrival_us, stream_interval, queue name,
-#   kick (1: tell the other routers of it)
+#   kick (1: tell the other routers of it), replica, lease expiry
 # -> 3 per request: 1, member, '' when stored (also when this very submit
 #    stored it before: same token); 0, digest, state when the id is taken.
 # The caller is the request's front. An arrival in the shared queue with kick
@@ -40,11 +40,14 @@ from router.persistence.lua_common import FINISH_EVENT, fenced
 # not: router/scheduling/pull.py), so the other routers do not race it for
 # the request (a request run by another router than its front costs an
 # event a delta).
+# A replica named (not ''): the request was taken at arrival (router/scheduling/
+# pull.py, take_at_arrival): it is stored leased to that replica, as a pop
+# would lease it (assignment 1, this router its back), and never queued.
 SUBMIT = fenced("""
 local prefix = ARGV[1]
 local out = {}
 local shared = false
-for i = 2, #ARGV, 13 do
+for i = 2, #ARGV, 15 do
   local id = ARGV[i]
   local h = prefix .. 'req:' .. id
   if redis.call('EXISTS', h) == 1 then
@@ -60,13 +63,20 @@ for i = 2, #ARGV, 13 do
   else
     local seq = redis.call('INCR', prefix .. 'seq')
     local member = string.format('%016d%012d:', tonumber(ARGV[i + 9]), seq) .. id
+    local replica = ARGV[i + 13]
     redis.call('HSET', h, 'tok', ARGV[i + 1], 'd', ARGV[i + 2], 'sp', ARGV[i + 3],
       'p', ARGV[i + 4], 'pl', ARGV[i + 5], 'mt', ARGV[i + 6], 'pr', ARGV[i + 7],
       'at', ARGV[i + 8], 'si', ARGV[i + 10], 'q', ARGV[i + 11], 'm', member, 'seq', seq,
       'st', 'q', 'rq', 0, 'n', 0, 'fe', router_, 'br', '', 'sat', now_)
-    redis.call('ZADD', prefix .. 'q:' .. ARGV[i + 11], -tonumber(ARGV[i + 7]), member)
+    if replica == '' then
+      redis.call('ZADD', prefix .. 'q:' .. ARGV[i + 11], -tonumber(ARGV[i + 7]), member)
+      shared = shared or (ARGV[i + 11] == 'pending' and ARGV[i + 12] == '1')
+    else
+      redis.call('ZADD', prefix .. 'inflight', ARGV[i + 14], id)
+      redis.call('HSET', h, 'st', 'r', 'o', replica, 'q', '', 'asg', ARGV[i + 8], 'br', router_,
+        'ao', redis.call('INCR', prefix .. 'ao'), 'pat', now_, 'n', 1)
+    end
     redis.call('SADD', prefix .. 'live', id)
-    shared = shared or (ARGV[i + 11] == 'pending' and ARGV[i + 12] == '1')
     out[#out + 1] = 1
     out[#out + 1] = member
     out[#out + 1] = ''
@@ -75,7 +85,7 @@ end
 if shared then kick_() end
 return out
 """)
-SUBMIT_ITEM_ARGS = 13
+SUBMIT_ITEM_ARGS = 15
 SUBMIT_REPLY_ITEMS = 3
 
 # What both pops share. KEYS: queue zset, inflight zset.

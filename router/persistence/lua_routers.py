@@ -28,21 +28,22 @@ return epoch
 """ % {"expiry_ms": FENCE_EXPIRY_MS % "expiry"}
 
 # Extends the calling router's lease (fenced: a lapsed one is not revived) and
-# records how many replicas it has. ARGV: prefix, ttl, replicas -> the replicas
+# records how many replicas it has. ARGV: prefix, ttl, replicas -> {the replicas
 # of the other live routers (a router with none of its own still takes requests
-# while they have some).
+# while they have some), how many other live routers there are}.
 RENEW_ROUTER = fenced("""
 local expiry = now_ + tonumber(ARGV[2])
 redis.call('ZADD', ARGV[1] .. 'routers', expiry, router_)
 redis.call('SET', ARGV[1] .. 'fence:' .. router_, epoch_, 'PXAT', %(expiry_ms)s)
 redis.call('HSET', ARGV[1] .. 'router:' .. router_, 'nrep', ARGV[3])
-local others = 0
+local others, routers = 0, 0
 for _, r in ipairs(redis.call('ZRANGEBYSCORE', ARGV[1] .. 'routers', now_, '+inf')) do
   if r ~= router_ then
     others = others + tonumber(redis.call('HGET', ARGV[1] .. 'router:' .. r, 'nrep') or '0')
+    routers = routers + 1
   end
 end
-return others
+return {others, routers}
 """ % {"expiry_ms": FENCE_EXPIRY_MS % "expiry"})
 
 # A router leaving in good order gives its lease up at once. ARGV: prefix, id.

@@ -170,13 +170,14 @@ class Store:
     # ---- writes (see lua.py for each script's arguments) ----
     def submit(self, rid: str, token: str, digest: str, spec_json: str, prompt_ids, max_tokens: int,
                priority: int, arrival: float, stream_interval: int, queue: str,
-               tell_others: bool = True) -> Write:
+               tell_others: bool = True, replica: str = "", lease_expiry: float = 0.0) -> Write:
         """Reply: (1, member, b'') stored; (0, digest, state) the id is taken.
-        tell_others False: no kick to the other routers (the caller pops it itself)."""
+        tell_others False: no kick to the other routers (the caller pops it itself).
+        replica: stored leased to it until lease_expiry (taken at arrival), not queued."""
         return Write(self._submit, (self.prefix,),
                      (rid, token, digest, spec_json, pack_tokens(prompt_ids), len(prompt_ids),
                       max_tokens, priority, repr(arrival), int(arrival * 1e6), stream_interval, queue,
-                      1 if tell_others else 0),
+                      1 if tell_others else 0, replica, repr(lease_expiry)),
                      reply_arity=lua.SUBMIT_REPLY_ITEMS, item_args=lua.SUBMIT_ITEM_ARGS, bounded=True)
 
     def restore(self, rid: str, token: str, digest: str, spec_json: str, prompt_ids,

@@ -62,6 +62,7 @@ class RequestState:
         self.order = (-spec.priority, arrival)   # queue order within this router
         self.submit_token = ""
         self.confirmed = False                # its submit is durable in Redis
+        self.accepted_at = 0.0                # when this router learned that (unix s)
         # A pop may take it: once confirmed, or from admission when the router
         # made its id (no other request can hold that id in Redis, so its submit
         # cannot be refused, and the ordered writer sends any pop after it).
@@ -156,10 +157,15 @@ class RequestState:
         def since(t: float) -> float:
             return max(0.0, t - self.arrival) if t else 0.0
 
+        def shown(t: float) -> float:
+            """A client sees nothing before its request is accepted, though a
+            request taken at arrival may have output before then."""
+            return since(max(t, self.accepted_at)) if t else 0.0
+
         return dict(queue_time_s=since(self.assigned_at),
                     scheduling_delay_s=since(self.first_scheduled_at),
-                    time_to_first_token_s=since(self.first_token_at),
-                    end_to_end_s=since(end), replica_id=self.replica_id,
+                    time_to_first_token_s=shown(self.first_token_at),
+                    end_to_end_s=shown(end), replica_id=self.replica_id,
                     preemptions=self.preemptions, prompt_tokens=self.prompt_len,
                     output_tokens=len(self.tokens), requeues=self.requeues,
                     cached_tokens=self.cached_tokens)

@@ -107,6 +107,11 @@ class RequestTable(CrossRouter):
         order = self._order.get(queue)
         return order.first(n, _poppable) if order is not None else []
 
+    def waiting_in(self, queue: str) -> int:
+        """Every request queued here in `queue`, poppable or not (a client's id
+        whose submit is in flight too)."""
+        return len(self._queued.get(queue, ()))
+
     def queued_count(self, queue: str) -> int:
         """Queued requests a pop may take (RequestState.poppable): only those are
         popped, so a pop never takes a record that is not this router's own."""
@@ -188,12 +193,19 @@ class RequestTable(CrossRouter):
 
     # ---- admit ----
     def admit(self, spec: RequestSpec, prompt_ids: list[int], max_tokens: int, queue: str,
-              rid: str, digest: str, tell_others: bool = True):
+              rid: str, digest: str, tell_others: bool = True, replica: str | None = None):
         """A new request, QUEUED in memory; returns it and the future of its submit
         write, which fails with TimeoutError past the writer's reply_timeout.
         tell_others False: its submit does not wake the other routers (this
-        router's scheduler takes it, or tells them itself)."""
+        router's scheduler takes it, or tells them itself).
+        replica: taken at arrival (the scheduler's take_at_arrival): RUNNING on it
+        at once, its first assignment, and stored leased to it; only for an id the
+        router made, which no other request can hold, so its submit cannot be
+        refused and the replica may start before Redis has the record. Until the
+        submit is durable the client is not answered (admission.open awaits it),
+        so nothing is shown of a request Redis may not hold."""
         assert rid not in self.requests, rid
+        assert replica is None or not spec.request_id, rid
         now = time.time()
         req = RequestState(spec, prompt_ids, rid=rid, digest=digest, max_tokens=max_tokens,
                            arrival=now)
@@ -205,12 +217,21 @@ class RequestTable(CrossRouter):
         # less). A client's id may be taken in Redis: it waits for the reply.
         req.poppable = not spec.request_id
         self.requests[rid] = req
-        self._enqueue(req, queue)
+        lease_expiry = 0.0
+        if replica is None:
+            self._enqueue(req, queue)
+        else:
+            req.phase, req.queue = Phase.RUNNING, ""
+            self._own(req, replica)
+            req.assignments, req.requeues, req.preemption_base = 1, 0, 0
+            req.assigned_at = now
+            self.metrics.queue_wait.observe(0.0)
+            lease_expiry = now + self.lease_ttl
         spec_json = spec.sampling.set_fields_json
         future = self.writer.call_timed(self.store.submit(
             rid, req.submit_token, digest, spec_json, prompt_ids, max_tokens, spec.priority, now,
-            spec.stream_interval, queue, tell_others))
-        if req.poppable:
+            spec.stream_interval, queue, tell_others, replica or "", lease_expiry))
+        if req.poppable and replica is None:
             self.on_queued()
         return req, future
 
@@ -239,6 +260,7 @@ class RequestTable(CrossRouter):
         """Its submit is durable: it may be popped, if it was not already."""
         assert not req.confirmed, req.id
         req.confirmed = True
+        req.accepted_at = time.time()
         self.metrics.accepted.inc()
         self.metrics.prompt_tokens.inc(req.prompt_len)
         if req.poppable:

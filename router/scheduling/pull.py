@@ -33,14 +33,15 @@ from router.requests.request import Phase
 from router.scheduling.credit import Credit
 from router.scheduling.policies import (PENDING, Arrival, PolicySettings, make_policy,
                                         replica_queue)
-from router.scheduling.policies.base import FIFO
+from router.scheduling.policies.base import ARRIVAL, FIFO
 
 log = logging.getLogger(__name__)
 
 
 class PullScheduler:
     def __init__(self, table, store, writer, policy_name: str, lease_ttl: float, prefix,
-                 settings: PolicySettings = PolicySettings(), metrics=None):
+                 settings: PolicySettings = PolicySettings(), metrics=None,
+                 take_at_arrival: bool = True):
         self.table = table
         self.store = store
         self.writer = writer
@@ -64,6 +65,11 @@ class PullScheduler:
         # Replicas whose own queue may hold work this router does not hold (placed by
         # an earlier router); cleared by a pop that empties it.
         self._own_work: set[str] = set()
+        self._takes_at_arrival = take_at_arrival
+        self._popping = 0          # pops in flight (their seats were counted before any reply)
+        # Whether this router is the only live one on its Redis (set by the router's
+        # wiring from its lease renewals); until known, it is not.
+        self.alone = lambda: False
         self.paused = False
 
     # ---- what the policy context offers ----
@@ -158,6 +164,37 @@ class PullScheduler:
 
     def kick(self) -> None:
         self._wake.set()
+
+    def take_at_arrival(self, work) -> object | None:
+        """The session that takes an arrival at once, its Assign sent while its
+        submit is on the way to Redis (table.admit with a replica), or None: it
+        is queued and popped as usual. Only where a pop would take it at once
+        anyway, in the same order: the policy shares the queue, this router
+        holds nothing queued there and knows of no work in it (other routers'
+        included: it is the only live router, as its last lease renewal found),
+        no pop is in flight, and a replica has a seat. The caller makes sure the
+        id is the router's own (a client's may be taken in Redis, and its
+        submit refused). What it saves is the submit's round trip on every
+        request's way to its replica: it overlaps the replica's work.
+        With another router just started and not yet seen (until this router's
+        next lease renewal), a request that router stored without a kick (its
+        own replicas had seats, so it pops it at once) may start a moment after
+        one taken here that arrived later; nothing else can pass."""
+        if (not self._takes_at_arrival or self.paused or self._popping or self._shared_work or not self.alone()
+                or self.policy.per_replica_queues or self.table.waiting_in(PENDING)):
+            return None
+        pullers = self._pullers()
+        if not pullers:
+            return None
+        live = self.live()
+        takers = {s.id for s in pullers}
+        return self.policy.take_at_arrival(work, pullers, [s for s in live if s.id not in takers])
+
+    def assigned_at_arrival(self, session, req) -> None:
+        """Sends the Assign of a request the table admitted as taken by `session`."""
+        self._credit[session.id].spend(req.context_len)
+        session.send_assignments([req])
+        self._record_picks(session, [req], {req.id: ARRIVAL})
 
     def takes_arrival(self, queue: str) -> bool:
         """Whether an arrival in `queue` may be stored without waking the other
@@ -299,7 +336,11 @@ class PullScheduler:
         deferred_before = self._deferred   # the pop comes after these arrivals' submits
         if queue == PENDING:
             self._shared_work = False   # an arrival during the pop sets it again
-        reply = await self.writer.call(pop)
+        self._popping += 1
+        try:
+            reply = await self.writer.call(pop)
+        finally:
+            self._popping -= 1
         popped, left = self.store.popped(reply), self.store.left_after_pop(reply)
         if left:   # more waits (or this puller's credit ran out): the next puller pops
             if queue == PENDING:

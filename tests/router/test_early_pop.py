@@ -1,27 +1,56 @@
-"""A request whose id the router made is poppable from admission: its pop
-rides in its submit's round trip. A client's id may be taken in Redis, so
-that request is popped only once its submit is durable (table.py, admit)."""
+"""How soon a request reaches its replica. A request whose id the router made,
+arriving while a replica has a seat and nothing else waits, is taken at
+arrival: its Assign goes out while its submit is on the way to Redis, and the
+client is answered once the submit is durable (table.admit, pull.py
+take_at_arrival). Otherwise (--take-at-arrival 0, or work waiting) such a
+request is poppable from admission: its pop rides in its submit's round trip.
+A client's id may be taken in Redis, so that request is popped only once its
+submit is durable."""
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
 
 from tests.router.test_redis_faults import SUBMIT, assert_clean
-from tests.router.test_redis_faults import proxy  # noqa: F401  (the fixture)
+from tests.router.test_redis_faults import direct, proxy  # noqa: F401  (the fixtures)
 from tests.router.test_scheduling import wait_until
-from tests.support.router_harness import (Replicas, client, make_config, request,
-                                          running_router)
+from tests.support.router_harness import (Replicas, client, collect, make_config, request,
+                                          running_router, tokens_of)
+from tests.support.scripted_replica import expected_tokens
 
 
-async def round_trips_to_assignment(app, stub, rep, request_id: str) -> int:
-    """Redis round trips between sending a request and its Assign reaching the replica,
-    from a quiet router: the last request's cancel durable, the replica's credit
-    granted (a Pull arriving inside the window would add an empty pop)."""
+async def quiet(app, rep) -> None:
+    """Until the router is quiet: nothing held, every write durable, the replica's
+    credit granted and its first pop back (which found the queue empty)."""
     credit = app.scheduler.credit_of(rep.knobs.replica_id)
     await wait_until(lambda: not app.table.requests and app.writer.pending == 0
                      and credit.wants_work(0))
     await asyncio.sleep(0.2)
+
+
+@contextlib.asynccontextmanager
+async def quiet_router_holding_submits(proxy, model):
+    """A lone router with replica r0, quiet, and a client; Redis then holds every
+    submit until proxy.release() (deadlines long enough to wait for it)."""
+    cfg = make_config(proxy.url, model, redis_timeout=5.0, submit_timeout=5.0, stall_after=5.0)
+    async with running_router(cfg) as app:
+        await wait_until(lambda: app.lease.alone)
+        reps = Replicas(app.address, app.limits.vocab_size)
+        rep = await reps.add("r0")
+        await quiet(app, rep)
+        async with client(app.address) as stub:
+            proxy.hold(SUBMIT)
+            yield app, rep, stub
+        await reps.close()
+        await assert_clean(app)
+
+
+async def round_trips_to_assignment(app, stub, rep, request_id: str) -> int:
+    """Redis round trips between sending a request and its Assign reaching the replica,
+    from a quiet router (a Pull arriving inside the window would add an empty pop)."""
+    await quiet(app, rep)
     before, seen = app.writer.round_trips, len(rep.rec.assignments)
     call = stub.Generate(request([5], 4, request_id=request_id))
     reader = asyncio.ensure_future(call.read())
@@ -33,14 +62,18 @@ async def round_trips_to_assignment(app, stub, rep, request_id: str) -> int:
     return taken
 
 
-def test_a_router_made_id_is_assigned_in_one_round_trip_a_client_id_in_two(redis_url, tiny_model,
-                                                                          arun):
+@pytest.mark.parametrize("take_at_arrival", [1, 0])
+def test_round_trips_before_the_assign(redis_url, tiny_model, arun, take_at_arrival):
+    """Popped, a router-made id waits one round trip, a client's id two. Taken
+    at arrival, the Assign and the submit go out together (which is first back
+    is a race on loopback; the held submit below shows the order)."""
     async def scenario():
         # A quiet router (its own lease renewed every 5 s), and the least of five
         # tries: background writes can only add round trips.
         cfg = make_config(redis_url, tiny_model, heartbeat_interval=5.0, lease_ttl=20.0,
-                          router_lease_ttl=30.0)
+                          router_lease_ttl=30.0, take_at_arrival=take_at_arrival)
         async with running_router(cfg) as app:
+            await wait_until(lambda: app.lease.other_routers is not None)
             reps = Replicas(app.address, app.limits.vocab_size)
             rep = await reps.add("r0", hold_on_finish=True)
             async with client(app.address) as stub:
@@ -53,16 +86,50 @@ def test_a_router_made_id_is_assigned_in_one_round_trip_a_client_id_in_two(redis
     arun(scenario())
 
 
-def test_a_router_made_id_whose_submit_times_out_is_withdrawn_though_its_pop_ran(proxy, tiny_model,
-                                                                                arun):
-    """The pop behind the submit ran in Redis, but its reply comes after the
-    client was told UNAVAILABLE: the request is never assigned, and nothing of
-    it is left in Redis."""
+def test_a_request_taken_at_arrival_runs_while_its_submit_is_held(proxy, direct, tiny_model,
+                                                                  arun):
+    """Redis holds the submit: the replica already has the Assign and answers,
+    but the client hears nothing until the submit is durable; then the whole
+    output, once. Redis records it as a pop would have: leased to the replica
+    at its first assignment, never queued, and finished."""
     async def scenario():
-        cfg = make_config(proxy.url, tiny_model, redis_timeout=0.3, submit_timeout=0.8)
+        async with quiet_router_holding_submits(proxy, tiny_model) as (app, rep, stub):
+            call = asyncio.ensure_future(collect(stub, request([7, 8], 6), timeout=20))
+            await wait_until(lambda: len(rep.rec.assignments) == 1)
+            rid = rep.rec.assignments[0].request_id
+            await wait_until(lambda: app.table.get(rid) is not None and app.table.get(rid).finished)
+            await asyncio.sleep(0.3)
+            assert not call.done()          # finished on the replica, not yet answered
+            assert direct.exists(app.store.req_key(rid)) == 0
+            proxy.release()
+            msgs = await call
+            assert tokens_of(msgs) == expected_tokens([7, 8], 6, app.limits.vocab_size)
+            assert msgs[-1].timings.replica_id == "r0"
+            await app.writer.drain(5)
+            rec = {k.decode(): v.decode() for k, v in direct.hgetall(app.store.req_key(rid)).items()}
+            assert (rec["st"], rec["n"], rec["q"], rec["rq"]) == ("f", "1", "", "0")
+            assert int(rec["ao"]) >= 1 and float(rec["pat"]) >= float(rec["sat"])
+            assert direct.zcard(app.store.queue_key("pending")) == 0
+            assert len(rep.rec.assignments) == 1 and not rep.rec.cancels
+
+    arun(scenario())
+
+
+@pytest.mark.parametrize("take_at_arrival", [1, 0])
+def test_a_router_made_id_whose_submit_times_out_is_withdrawn(proxy, tiny_model, arun,
+                                                              take_at_arrival):
+    """The submit ran in Redis, but its reply comes after the client was told
+    UNAVAILABLE: taken at arrival, the replica is told to cancel it; popped,
+    it is never assigned (the pop behind the submit ran too). Nothing of it is
+    left in Redis either way."""
+    async def scenario():
+        cfg = make_config(proxy.url, tiny_model, redis_timeout=0.3, submit_timeout=0.8,
+                          take_at_arrival=take_at_arrival)
         async with running_router(cfg) as app:
+            await wait_until(lambda: app.lease.alone)
             reps = Replicas(app.address, app.limits.vocab_size)
-            rep = await reps.add("r0")
+            rep = await reps.add("r0", hold_on_finish=True)
+            await quiet(app, rep)
             async with client(app.address) as stub:
                 proxy.hold(SUBMIT)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -71,8 +138,34 @@ def test_a_router_made_id_whose_submit_times_out_is_withdrawn_though_its_pop_ran
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
                 proxy.release()
                 await wait_until(lambda: not app.table.requests, timeout=10)   # abandon landed
-            assert not rep.rec.assignments
+            if take_at_arrival:
+                assert len(rep.rec.assignments) == 1
+                assert rep.rec.cancels == [rep.rec.assignments[0].request_id]
+            else:
+                assert not rep.rec.assignments
             await reps.close()
             await assert_clean(app)
+
+    arun(scenario())
+
+
+def test_nothing_is_taken_at_arrival_past_a_request_waiting_for_its_submit(proxy, tiny_model,
+                                                                         arun):
+    """A client's request waits for its submit's reply (held): a later request
+    with a router-made id waits behind it, and both start in arrival order."""
+    async def scenario():
+        async with quiet_router_holding_submits(proxy, tiny_model) as (app, rep, stub):
+            first = asyncio.ensure_future(collect(stub, request([3], 4, request_id="first")))
+            await wait_until(lambda: app.table.get("first") is not None)
+            second = asyncio.ensure_future(collect(stub, request([4], 4)))
+            await wait_until(lambda: len(app.table.requests) == 2)
+            await asyncio.sleep(0.3)
+            assert not rep.rec.assignments
+            proxy.release()
+            outputs = await asyncio.gather(first, second)
+            vocab = app.limits.vocab_size
+            assert [tokens_of(m) for m in outputs] == [expected_tokens([3], 4, vocab),
+                                                       expected_tokens([4], 4, vocab)]
+            assert rep.rec.assignments[0].request_id == "first"
 
     arun(scenario())

@@ -257,3 +257,55 @@ def test_work_a_busy_holder_leaves_spills_over_once_it_has_waited_its_lead(redis
             await reps.close()
 
     arun(scenario())
+
+
+@pytest.mark.parametrize("window", [32, 0])
+def test_an_arrival_is_taken_at_once_by_the_puller_the_pull_would_choose(redis_url, tiny_model,
+                                                                          arun, window):
+    """Router-made ids with nothing waiting: r0 pulled first, both have a seat.
+    A warm arrival goes at once to r1, which holds its prefix, with affinity, to
+    r0 (the oldest Pull) without; a cold one then to the one with a seat left.
+    With only r0 pulling, a warm arrival waits for r1 with affinity (it is
+    queued, and popped by r1's Pull), and is taken by r0 at once without."""
+    async def scenario():
+        cfg = make_config(redis_url, tiny_model, pull_affinity_window=window, **HITS_DECIDE)
+        async with running_router(cfg) as app:
+            reps = await cached_pair(app)
+            r0, r1 = reps["r0"], reps["r1"]
+            r0.pull(1)
+            await asyncio.sleep(0.05)
+            r1.pull(1)
+            await wait_until(lambda: app.lease.alone and app.writer.pending == 0 and all(
+                app.scheduler.credit_of(r).requests == 1 for r in ("r0", "r1")))
+            await asyncio.sleep(0.2)   # the pops the Pulls woke found the queue empty
+            warm, cold, warm2 = with_shared([1]), [8] * 20, with_shared([2])
+
+            def prompts_of(replica):
+                return [list(a.prompt_token_ids) for a in replica.rec.assignments]
+
+            async with client(app.address) as stub:
+                tasks = await submit_in_order(app, stub, [request(warm, 4)])
+                tasks += await submit_in_order(app, stub, [request(cold, 4)])
+                holder, other = (r1, r0) if window else (r0, r1)
+                assert (prompts_of(holder), prompts_of(other)) == ([warm], [cold])
+                assert value(app, "quadriga_pull_picks_total", reason="arrival") == 2
+                await asyncio.gather(*tasks)
+                await wait_until(lambda: app.writer.pending == 0)
+                r0.pull(1)
+                await wait_until(lambda: app.scheduler.credit_of("r0").requests == 1)
+                await asyncio.sleep(0.2)
+                tasks = await submit_in_order(app, stub, [request(warm2, 4)])
+                if window:
+                    await asyncio.sleep(0.3)
+                    assert prompts_of(r0) == [cold] and len(prompts_of(r1)) == 1
+                    r1.pull(1)
+                    await wait_until(lambda: len(prompts_of(r1)) == 2)
+                    assert prompts_of(r1)[1] == warm2
+                    assert value(app, "quadriga_pull_picks_total", reason="arrival") == 2
+                else:
+                    assert prompts_of(r0) == [warm, warm2]
+                    assert value(app, "quadriga_pull_picks_total", reason="arrival") == 3
+                await asyncio.gather(*tasks)
+            await reps.close()
+
+    arun(scenario())

@@ -81,8 +81,9 @@ class Arrival:
         return len(self.prompt_ids) + self.max_tokens
 
 
-# Why a Pull took a request (the quadriga_pull_picks_total label).
-FIFO, AFFINITY, OVERDUE = "fifo", "affinity", "overdue"
+# Why a Pull took a request (the quadriga_pull_picks_total label); ARRIVAL: taken
+# as it arrived, nothing else waiting (scheduling/pull.py, take_at_arrival).
+FIFO, AFFINITY, OVERDUE, ARRIVAL = "fifo", "affinity", "overdue", "arrival"
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,13 @@ class Policy:
         credit (the last may overrun it); `others` are the other live replicas.
         None: from the head."""
         return None
+
+    def take_at_arrival(self, work, pullers: Sequence[ReplicaHandle],
+                        others: Sequence[ReplicaHandle]) -> ReplicaHandle | None:
+        """Which of `pullers` (replicas with a seat now, oldest Pull first) takes
+        `work` at once, as its Pull would once it were queued, with nothing else
+        waiting; `others` are the other live replicas. None: it is queued."""
+        return None if self.per_replica_queues or not pullers else pullers[0]
 
     # No-op hooks; a policy overrides the ones it needs.
     def on_replica_joined(self, replica: ReplicaHandle) -> None: ...

@@ -97,6 +97,24 @@ class PullPolicy(Policy):
         taken = _within_credit(picks, seats, token_limit)
         return Choice(_reasons(window, taken, now, s.affinity_max_wait), retry_in if not taken else None)
 
+    def take_at_arrival(self, work, pullers, others):
+        """As `choose` would rank `work` alone at no wait: the first puller that
+        holds as much of it as any replica it would wait for; none such (a busy
+        holder leads): queued, for that holder's Pull or for the wait to pass."""
+        prefix = self.context.prefix
+        if not self.settings.affinity_window or not prefix.active:
+            return super().take_at_arrival(work, pullers, others)
+        everyone = [r.id for r in (*pullers, *others)]
+        if not any(prefix.holds_any(r) for r in everyone):
+            return super().take_at_arrival(work, pullers, others)
+        for puller in pullers:
+            waited_for = [puller.id, *self._not_too_busy(puller.id, [r for r in everyone
+                                                                     if r != puller.id])]
+            hits = prefix.cached_tokens(work, waited_for)
+            if hits[puller.id] >= max(hits.values()):
+                return puller
+        return None
+
     def _not_too_busy(self, puller: str, others):
         """The other replicas a request may be left to: all of them, or with the
         balance term on, those not too far ahead of the puller in outstanding tokens."""
