@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The router's CPU benchmarks on the H200 host's 16 cores (no GPU used), from a plain
 # copy of the tree and a carry made by prepare-device-cpu-carry.sh:
+# CARRY may also be prepare-carry.sh's GPU carry (.carry) for the overhead phase.
 #   bash benchmarks/router/run_device_cpu.sh CARRY OUT overhead   # this router beside .baseline's  (RATES="250 500 1000", REPEATS=3 for more,
 #                                                                  # VARIANT="name=router args" for this router with other settings too,
 #                                                                  # COMPARE="name=TREE ..." for more trees beside .baseline,
@@ -26,6 +27,12 @@
 set -uo pipefail
 carry=${1:-.carry-cpu}; out=${2:-/tmp/out}; phase=${3:-overhead}
 mkdir -p "$out"
+if [ ! -d "$carry/router" ] && compgen -G "$carry/*.whl" >/dev/null; then
+  # A GPU carry (prepare-carry.sh's flat layout), so one call can branch on the card: its
+  # router wheels and Redis debs serve the overhead phase (no peers, no wrk).
+  flat=$carry; carry=/tmp/quadriga-cpu-carry; mkdir -p "$carry/router" "$carry/debs"
+  cp "$flat"/*.whl "$carry/router/"; rm -f "$carry"/router/apache_tvm_ffi-*; cp "$flat"/*.deb "$carry/debs/"
+fi
 source benchmarks/router/peers-env.sh "$carry"
 [ -f COMMIT ] || echo "no COMMIT file: the JSONs will name whatever commit this copy's git answers"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH

@@ -180,8 +180,9 @@ class PullScheduler:
         next lease renewal), a request that router stored without a kick (its
         own replicas had seats, so it pops it at once) may start a moment after
         one taken here that arrived later; nothing else can pass."""
-        if (not self._takes_at_arrival or self.paused or self._popping or self._shared_work or not self.alone()
-                or self.policy.per_replica_queues or self.table.waiting_in(PENDING)):
+        if (not self._takes_at_arrival or self.paused or self._popping or self._shared_work
+                or not self.alone() or self.policy.per_replica_queues
+                or self.table.waiting_in(PENDING)):
             return None
         pullers = self._pullers()
         if not pullers:
