@@ -22,7 +22,7 @@ from router.persistence.store import record_from_flat
 from router.requests.record import state_from_record
 from router.requests.request import RequestState
 from router.requests.spec import RequestSpec
-from router.scheduling.policies import PENDING, Arrival
+from router.scheduling.policies import Arrival
 from router.validation import (ModelLimits, RouterError, check_request, effective_max_tokens,
                                invalid, unavailable)
 
@@ -130,12 +130,12 @@ class Admission:
             return found
         queue = self.scheduler.arrival_queue(ids, max_tokens)
         # Only an id the router made may start before Redis holds it (table.admit).
-        taker = (self.scheduler.take_at_arrival(Arrival(ids, max_tokens))
-                 if queue == PENDING and not spec.request_id else None)
+        taker = (self.scheduler.take_at_arrival(Arrival(ids, max_tokens), queue)
+                 if not spec.request_id else None)
         if taker is not None:
             req, stored = self.table.admit(spec, ids, max_tokens, queue, rid, digest,
                                            tell_others=False, replica=taker.id)
-            self.scheduler.assigned_at_arrival(taker, req)
+            self.scheduler.assigned_at_arrival(taker, req, queue)
         else:
             req, stored = self.table.admit(spec, ids, max_tokens, queue, rid, digest,
                                            tell_others=not self.scheduler.takes_arrival(queue))

@@ -165,37 +165,45 @@ class PullScheduler:
     def kick(self) -> None:
         self._wake.set()
 
-    def take_at_arrival(self, work) -> object | None:
-        """The session that takes an arrival at once, its Assign sent while its
-        submit is on the way to Redis (table.admit with a replica), or None: it
-        is queued and popped as usual. Only where a pop would take it at once
-        anyway, in the same order: the policy shares the queue, this router
-        holds nothing queued there and knows of no work in it (other routers'
-        included: it is the only live router, as its last lease renewal found),
-        no pop is in flight, and a replica has a seat. The caller makes sure the
-        id is the router's own (a client's may be taken in Redis, and its
-        submit refused). What it saves is the submit's round trip on every
-        request's way to its replica: it overlaps the replica's work.
+    def take_at_arrival(self, work, queue: str) -> object | None:
+        """The session that takes an arrival placed in `queue` at once, its Assign
+        sent while its submit is on the way to Redis (table.admit with a
+        replica), or None: it is queued and popped as usual. Only where a pop
+        would take it at once anyway, in the same order: this router holds
+        nothing queued there and knows of no work in it that it cannot see
+        (other routers' included: it is the only live router, as its last lease
+        renewal found), no pop is in flight, and the replica that would pop it
+        has a seat: for the shared queue, the one the policy's Pull would
+        choose; for a replica's own queue (a push policy's placement), that
+        replica. The caller makes sure the id is the router's own (a client's
+        may be taken in Redis, and its submit refused). What it saves is the
+        submit's round trip on every request's way to its replica: it overlaps
+        the replica's work.
         With another router just started and not yet seen (until this router's
         next lease renewal), a request that router stored without a kick (its
         own replicas had seats, so it pops it at once) may start a moment after
         one taken here that arrived later; nothing else can pass."""
-        if (not self._takes_at_arrival or self.paused or self._popping or self._shared_work
-                or not self.alone() or self.policy.per_replica_queues
-                or self.table.waiting_in(PENDING)):
+        if (not self._takes_at_arrival or self.paused or self._popping or not self.alone()
+                or self.table.waiting_in(queue)):
             return None
         pullers = self._pullers()
-        if not pullers:
+        if queue != PENDING:
+            owner = queue[len(replica_queue("")):]
+            if owner in self._own_work:
+                return None
+            return next((s for s in pullers if s.id == owner), None)
+        if self._shared_work or not pullers:
             return None
-        live = self.live()
         takers = {s.id for s in pullers}
-        return self.policy.take_at_arrival(work, pullers, [s for s in live if s.id not in takers])
+        return self.policy.take_at_arrival(work, pullers,
+                                           [s for s in self.live() if s.id not in takers])
 
-    def assigned_at_arrival(self, session, req) -> None:
-        """Sends the Assign of a request the table admitted as taken by `session`."""
+    def assigned_at_arrival(self, session, req, queue: str) -> None:
+        """Sends the Assign of a request the table admitted as taken by `session`
+        at arrival, from `queue` (a replica's own: its placement was recorded)."""
         self._credit[session.id].spend(req.context_len)
         session.send_assignments([req])
-        self._record_picks(session, [req], {req.id: ARRIVAL})
+        self._record_picks(session, [req], {req.id: ARRIVAL}, placed=queue != PENDING)
 
     def takes_arrival(self, queue: str) -> bool:
         """Whether an arrival in `queue` may be stored without waking the other
@@ -417,8 +425,9 @@ class PullScheduler:
                                      f"(more than --max-requeues {limit}); giving up")
         return [r for r in taken if r.phase is Phase.RUNNING and r.owner == session.id]
 
-    def _record_picks(self, session, taken, reasons: dict | None) -> None:
-        if self.prefix.recording(self.policy.uses_prefix_cache):
+    def _record_picks(self, session, taken, reasons: dict | None, placed: bool = False) -> None:
+        """placed: the placement's cache hit was recorded at arrival (_place)."""
+        if not placed and self.prefix.recording(self.policy.uses_prefix_cache):
             live = [s.id for s in self.live()]
             for req in taken:
                 self.prefix.record(req, session.id, live, True)

@@ -169,3 +169,45 @@ def test_nothing_is_taken_at_arrival_past_a_request_waiting_for_its_submit(proxy
             assert rep.rec.assignments[0].request_id == "first"
 
     arun(scenario())
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_outstanding"])
+def test_a_push_policy_placement_is_taken_at_arrival_by_its_replica(redis_url, tiny_model, arun,
+                                                                    policy):
+    """Router-made ids, one at a time, two replicas with seats: each request is
+    taken at arrival by the replica its policy placed it with (round_robin
+    alternates; least_outstanding, with r0 busy holding one, picks r1), and
+    nothing waits in a replica's queue."""
+    async def scenario():
+        cfg = make_config(redis_url, tiny_model, policy=policy)
+        async with running_router(cfg) as app:
+            await wait_until(lambda: app.lease.alone)
+            vocab = app.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            r0 = await reps.add("r0", hold_on_finish=policy == "least_outstanding")
+            r1 = await reps.add("r1")
+            for rep in (r0, r1):
+                await wait_until(lambda: app.scheduler.credit_of(rep.knobs.replica_id).wants_work(0))
+            await asyncio.sleep(0.3)   # each replica's first pop (of its own queue) is back
+            async with client(app.address) as stub:
+                held = None
+                if policy == "least_outstanding":
+                    held = asyncio.ensure_future(collect(stub, request([9] * 40, 4)))
+                    await wait_until(lambda: len(r0.rec.assignments) == 1)
+                for i in range(4):
+                    msgs = await collect(stub, request([i + 1], 3))
+                    assert tokens_of(msgs) == expected_tokens([i + 1], 3, vocab)
+                if held is not None:
+                    held.cancel()
+                    await asyncio.gather(held, return_exceptions=True)
+            arrived = app.metrics.registry.get_sample_value("quadriga_pull_picks_total",
+                                                            {"reason": "arrival"})
+            if policy == "round_robin":
+                assert (len(r0.rec.assignments), len(r1.rec.assignments)) == (2, 2)
+                assert arrived == 4
+            else:
+                assert (len(r0.rec.assignments), len(r1.rec.assignments)) == (1, 4)
+                assert arrived == 5
+            await reps.close()
+
+    arun(scenario())

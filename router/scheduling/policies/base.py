@@ -125,9 +125,10 @@ class Policy:
     def take_at_arrival(self, work, pullers: Sequence[ReplicaHandle],
                         others: Sequence[ReplicaHandle]) -> ReplicaHandle | None:
         """Which of `pullers` (replicas with a seat now, oldest Pull first) takes
-        `work` at once, as its Pull would once it were queued, with nothing else
-        waiting; `others` are the other live replicas. None: it is queued."""
-        return None if self.per_replica_queues or not pullers else pullers[0]
+        `work`, placed in the shared queue, at once, as its Pull would once it were
+        queued, with nothing else waiting; `others` are the other live replicas.
+        None: it is queued."""
+        return pullers[0] if pullers else None
 
     # No-op hooks; a policy overrides the ones it needs.
     def on_replica_joined(self, replica: ReplicaHandle) -> None: ...
