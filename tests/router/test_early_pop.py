@@ -13,6 +13,7 @@ import contextlib
 import grpc
 import pytest
 
+from router.requests.spec import RequestSpec, Sampling
 from tests.router.test_redis_faults import SUBMIT, assert_clean
 from tests.router.test_redis_faults import direct, proxy  # noqa: F401  (the fixtures)
 from tests.router.test_scheduling import wait_until
@@ -208,6 +209,31 @@ def test_a_push_policy_placement_is_taken_at_arrival_by_its_replica(redis_url, t
             else:
                 assert (len(r0.rec.assignments), len(r1.rec.assignments)) == (1, 4)
                 assert arrived == 5
+            await reps.close()
+
+    arun(scenario())
+
+
+def test_the_arrivals_of_one_loop_turn_share_one_assign(redis_url, tiny_model, arun):
+    """Three router-made arrivals admitted in one turn of the router's loop (as a
+    burst read from one socket is) reach their replica as one Assign, as one
+    pop's would; each is answered, and each is counted as taken at arrival."""
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            await wait_until(lambda: app.lease.alone)
+            vocab = app.limits.vocab_size
+            reps = Replicas(app.address, vocab)
+            rep = await reps.add("r0")
+            await quiet(app, rep)
+            specs = [RequestSpec(prompt_token_ids=(i + 1, 2), sampling=Sampling(max_tokens=3))
+                     for i in range(3)]
+            requests = await asyncio.gather(*(app.admission.open(s) for s in specs))
+            await wait_until(lambda: all(r.finished for r in requests))
+            assert [r.tokens for r in requests] == [expected_tokens([i + 1, 2], 3, vocab)
+                                                    for i in range(3)]
+            assert len(rep.rec.assignments) == 3 and rep.rec.assign_messages == 1
+            assert app.metrics.registry.get_sample_value("quadriga_pull_picks_total",
+                                                         {"reason": "arrival"}) == 3
             await reps.close()
 
     arun(scenario())

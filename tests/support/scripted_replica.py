@@ -84,6 +84,7 @@ class Run:
 @dataclass
 class Record:
     assignments: list = field(default_factory=list)   # every Assignment received
+    assign_messages: int = 0                          # the Assign messages they came in
     cancels: list = field(default_factory=list)
     pulls: list = field(default_factory=list)         # (max_requests, max_prompt_tokens)
     step_pulls: list = field(default_factory=list)    # the same, of credit sent inside a step
@@ -225,6 +226,7 @@ class ScriptedReplica:
             self.connected.set()
             self._maybe_pull()
         elif kind == "assign":
+            self.rec.assign_messages += 1
             for a in msg.assign.assignments:
                 self.rec.assignments.append(a)
                 self.coalescer.assigned(a.request_id, a.stream_interval)
