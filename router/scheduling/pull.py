@@ -188,13 +188,15 @@ class PullScheduler:
         if (not self._takes_at_arrival or self.paused or self._popping or not self.alone()
                 or self.table.waiting_in(queue)):
             return None
-        pullers = self._pullers()
         if queue != PENDING:
             owner = queue[len(replica_queue("")):]
             if owner in self._own_work:
                 return None
-            return next((s for s in pullers if s.id == owner), None)
-        if self._shared_work or not pullers:
+            return next((s for s in self._pullers() if s.id == owner), None)
+        if self._shared_work:
+            return None
+        pullers = self._pullers()
+        if not pullers:
             return None
         takers = {s.id for s in pullers}
         return self.policy.take_at_arrival(work, pullers,
