@@ -58,7 +58,9 @@ def test_client_disconnect_cancels(redis_url, tiny_model, arun):
             rep = await reps.add("r", auto_pull=False, hold_on_finish=True)
             async with client(app.address) as stub:
                 t = asyncio.create_task(collect(stub, request([1], 5, request_id="q")))
-                await wait_until(lambda: app.table.queued_total == 1)
+                # Confirmed: its submit is durable and its stream open. A client gone
+                # before that withdraws the request, which no metric counts as a cancel.
+                await wait_until(lambda: app.table.queued_total == 1 and app.table.requests["q"].confirmed)
                 t.cancel()
                 await wait_until(lambda: "q" not in app.table.requests)
                 assert app.table.queued_total == 0

@@ -19,11 +19,12 @@ REPLICAS = PROCESSES * PER_PROCESS
 
 async def start_processes(address: str, model, logs) -> list[asyncio.subprocess.Process]:
     # One seat each, so that REPLICAS requests at once need every replica; steps
-    # slowed tenfold so that none finishes (and pulls again) before all are placed.
+    # slowed a hundredfold (8 tokens take about 2 s) so that none finishes, and
+    # pulls again, before all are placed on a loaded machine.
     return [await asyncio.create_subprocess_exec(
         sys.executable, "-m", "replica_worker.sim", "--router", address, "--model", str(model),
         "--profile", "cpu-tiny", "--replica-id", f"p{i}", "-k", str(PER_PROCESS), "--max-num-seqs", "1",
-        "--time-scale", "10", "--drain-timeout", "5", cwd=ROOT,
+        "--time-scale", "100", "--drain-timeout", "5", cwd=ROOT,
         stdout=asyncio.subprocess.DEVNULL, stderr=log) for i, log in enumerate(logs)]
 
 
