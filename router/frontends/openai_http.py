@@ -104,6 +104,53 @@ class _RequireApiKey:
         await self.app(scope, receive, send)
 
 
+class _HotRoutes:
+    """ASGI: a POST to one of the two hot endpoints goes straight to its handler
+    (a Starlette Request in, a Response out); everything else to the FastAPI app.
+
+    FastAPI's stack around a route (server-error, exception and exit-stack
+    middleware, routing, the request/response wrapper) ran on every call, a
+    share of a short call's router CPU (benchmarks/router/NOTES.md). What
+    that stack gave these two routes is kept here: a refusal (RouterError, a
+    body too large or not valid) answered by the same handler as on every other
+    route, and anything unexpected logged and answered 500 in OpenAI's shape,
+    or the connection closed if the response had already started."""
+
+    def __init__(self, app, routes: dict, refused):
+        self.app = app
+        self.routes = routes
+        self.refused = refused
+
+    async def __call__(self, scope, receive, send):
+        handler = self.routes.get(scope["path"]) if scope["type"] == "http" else None
+        if handler is None or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive, send)
+        try:
+            response = await handler(request)
+        except (RouterError, BodyTooLarge, RequestValidationError) as err:
+            response = await self.refused(request, err)
+        except Exception:
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            response = error_response(500, "internal error in the router")
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await response(scope, receive, sending)
+        except Exception:
+            log.exception("%s %s: sending the answer failed", scope["method"], scope["path"])
+            if not started:
+                await error_response(500, "internal error in the router")(scope, receive, send)
+            # Started: uvicorn closes the connection, which the client sees cut short.
+            raise
+
+
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
@@ -126,8 +173,10 @@ class OpenAIFrontend:
 
     # ---- serving ----
     async def start(self, host: str, port: int) -> int:
+        # No proxy-header rewriting: the router never reads a client's address, and
+        # that middleware ran on every request.
         cfg = uvicorn.Config(self.app, host=host, port=port, lifespan="off", access_log=False,
-                             log_level="warning", timeout_graceful_shutdown=2)
+                             log_level="warning", timeout_graceful_shutdown=2, proxy_headers=False)
         self._server = _Server(cfg)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(), name="openai-http")
         while not self._server.started:
@@ -144,7 +193,9 @@ class OpenAIFrontend:
             await asyncio.gather(self._task, return_exceptions=True)
 
     # ---- the app ----
-    def _build(self) -> FastAPI:
+    def _build(self):
+        """The ASGI app served: the API key check (when keys are set) around the
+        hot routes, around FastAPI for the rest."""
         # telemetry off: the router exports Prometheus metrics, and FastAPI's
         # OpenTelemetry hooks looked their providers up in the environment on every
         # request. The body bound is _read_body's, not max_body_size's: that one
@@ -153,20 +204,8 @@ class OpenAIFrontend:
         app = FastAPI(title="Quadriga", openapi_url=None, docs_url=None, redoc_url=None,
                       telemetry={"tracing": False, "metrics": False, "logs": False})
 
-        @app.exception_handler(RouterError)
-        async def router_error(_request, err: RouterError):
-            self.metrics.rejections.labels(err.reason).inc()
-            return error_response(STATUS.get(err.code, 500), err.message)
-
-        @app.exception_handler(BodyTooLarge)
-        async def too_large(_request, err: BodyTooLarge):
-            self.metrics.rejections.labels("body_too_large").inc()
-            return error_response(413, str(err))
-
-        @app.exception_handler(RequestValidationError)
-        async def bad_body(_request, err: RequestValidationError):
-            self.metrics.rejections.labels("invalid_argument").inc()
-            return error_response(400, describe_validation_error(err))
+        for kind in (RouterError, BodyTooLarge, RequestValidationError):
+            app.add_exception_handler(kind, self._refused)
 
         @app.exception_handler(StarletteHTTPException)
         async def framework_error(request, err: StarletteHTTPException):
@@ -175,19 +214,28 @@ class OpenAIFrontend:
             return error_response(err.status_code, f"{request.method} {request.url.path}: "
                                   f"{err.detail}", headers=err.headers)
 
-        if self.keys:
-            app.add_middleware(_RequireApiKey, keys=self.keys,
-                               on_reject=self.metrics.rejections.labels("client_auth").inc)
-
         app.get("/health")(self.health)
         app.get("/v1/models")(self.models)
         app.get("/v1/models/{model_id:path}")(self.model)
-        # The two hot endpoints are plain Starlette routes: they take the raw
-        # request and answer with a Response, so FastAPI's per-call dependency
-        # solving and response handling would do nothing but cost.
-        app.router.add_route("/v1/completions", self.completions, methods=["POST"])
-        app.router.add_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        return app
+        hot = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat_completions}
+        for path, handler in hot.items():   # reached only by other methods: a 405 from here
+            app.router.add_route(path, handler, methods=["POST"])
+        served = _HotRoutes(app, hot, self._refused)
+        if self.keys:
+            served = _RequireApiKey(served, self.keys, self.metrics.rejections.labels("client_auth").inc)
+        return served
+
+    async def _refused(self, _request, err: Exception) -> JSONResponse:
+        """A call refused with a reason the client can act on, in OpenAI's shape."""
+        if isinstance(err, RouterError):
+            self.metrics.rejections.labels(err.reason).inc()
+            return error_response(STATUS.get(err.code, 500), err.message)
+        if isinstance(err, BodyTooLarge):
+            self.metrics.rejections.labels("body_too_large").inc()
+            return error_response(413, str(err))
+        assert isinstance(err, RequestValidationError), err
+        self.metrics.rejections.labels("invalid_argument").inc()
+        return error_response(400, describe_validation_error(err))
 
     async def health(self):
         if self.admission.stopping:
