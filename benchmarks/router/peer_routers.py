@@ -93,6 +93,15 @@ def post_completion(url: str, model: str, prompt: str, max_tokens: int, timeout:
         return json.loads(resp.read())
 
 
+def post_chat(url: str, model: str, content: str, max_tokens: int, timeout: float = 10.0) -> dict:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
+                       "max_tokens": max_tokens, "temperature": 0, "stream": False}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
 def wait_until_serving(url: str, proc: subprocess.Popen, model: str, prompt: str,
                        timeout: float = 60.0) -> dict:
     """Polls with a real completion until one comes back 200 (a router that
