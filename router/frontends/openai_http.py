@@ -144,11 +144,10 @@ class _HotRoutes:
         try:
             await response(scope, receive, sending)
         except Exception:
-            log.exception("%s %s: sending the answer failed", scope["method"], scope["path"])
-            if not started:
-                await error_response(500, "internal error in the router")(scope, receive, send)
-            # Started: uvicorn closes the connection, which the client sees cut short.
-            raise
+            if started:   # uvicorn logs it and closes the connection: the client sees it cut short
+                raise
+            log.exception("%s %s: answering failed", scope["method"], scope["path"])
+            await error_response(500, "internal error in the router")(scope, receive, send)
 
 
 class _Server(uvicorn.Server):

@@ -59,3 +59,16 @@ def test_an_unexpected_failure_is_a_500_in_openai_shape():
     assert answer.status_code == 500
     error = answer.json()["error"]
     assert error["code"] == 500 and error["message"] == "internal error in the router"
+
+
+def test_an_answer_that_fails_before_it_starts_is_a_500_in_openai_shape():
+    class Unsendable(JSONResponse):
+        async def __call__(self, scope, receive, send):
+            raise RuntimeError("cannot send")
+
+    async def handler(_request):
+        return Unsendable({"never": "sent"})
+
+    answer = call({"/v1/completions": handler}, "POST", "/v1/completions")
+    assert answer.status_code == 500
+    assert answer.json()["error"]["message"] == "internal error in the router"
