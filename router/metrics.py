@@ -1,11 +1,15 @@
 """Prometheus metrics of the router, prefix quadriga_. One registry per router,
-so several routers can live in one process (tests)."""
+so several routers can live in one process (tests). Counters and histograms are
+the loop's own (router/loop_metrics.py: no lock an update); every update runs
+on the router's event loop."""
 
 from __future__ import annotations
 
 from common.pb.quadriga.v1 import generation_pb2 as gpb
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.core import GaugeMetricFamily
+
+from router.loop_metrics import LoopCounter, LoopHistogram
 
 _LATENCY = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TBT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
@@ -16,74 +20,74 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.replicas = Gauge("quadriga_replicas_connected", "Connected replicas", registry=r)
-        self.queue_wait = Histogram("quadriga_queue_wait_seconds", "Accepted to assigned",
-                                    buckets=_LATENCY, registry=r)
-        self.ttft = Histogram("quadriga_ttft_seconds", "Accepted to first token",
-                              buckets=_LATENCY, registry=r)
-        self.tbt = Histogram("quadriga_tbt_seconds",
-                             "Gap between token deliveries per request, over the tokens delivered",
-                             buckets=_TBT, registry=r)
-        self.e2e = Histogram("quadriga_e2e_seconds", "Accepted to finished",
-                             buckets=_LATENCY, registry=r)
-        self.requests = Counter("quadriga_requests_total", "Finished requests by finish reason",
-                                ["reason"], registry=r)
-        self.accepted = Counter("quadriga_requests_accepted_total", "Accepted requests", registry=r)
-        self.prompt_tokens = Counter("quadriga_prompt_tokens_total",
-                                     "Prompt tokens of accepted requests", registry=r)
-        self.generation_tokens = Counter("quadriga_generation_tokens_total",
-                                         "Output tokens received from replicas", registry=r)
-        self.requeues = Counter("quadriga_requeues_total", "Requests moved back to a queue",
-                                ["reason"], registry=r)
-        self.cancellations = Counter("quadriga_cancellations_total", "Cancelled requests",
-                                     ["source"], registry=r)
-        self.rejections = Counter("quadriga_rejections_total", "Rejected requests by reason",
-                                  ["reason"], registry=r)
-        self.replica_faults = Counter("quadriga_replica_faults_total",
-                                      "Replica streams dropped for a protocol violation", registry=r)
-        self.messages_in = Counter("quadriga_messages_in_total", "Messages from replicas",
-                                   ["kind"], registry=r)
-        self.messages_out = Counter("quadriga_messages_out_total", "Messages to replicas",
-                                    ["kind"], registry=r)
-        self.client_messages = Counter("quadriga_client_messages_total",
-                                       "GenerateResponse messages sent to clients", registry=r)
-        self.redis_round_trips = Counter("quadriga_redis_round_trips_total",
-                                         "Redis round trips", registry=r)
+        self.queue_wait = LoopHistogram("quadriga_queue_wait_seconds", "Accepted to assigned",
+                                        buckets=_LATENCY, registry=r)
+        self.ttft = LoopHistogram("quadriga_ttft_seconds", "Accepted to first token",
+                                  buckets=_LATENCY, registry=r)
+        self.tbt = LoopHistogram("quadriga_tbt_seconds",
+                                 "Gap between token deliveries per request, over the tokens delivered",
+                                 buckets=_TBT, registry=r)
+        self.e2e = LoopHistogram("quadriga_e2e_seconds", "Accepted to finished",
+                                 buckets=_LATENCY, registry=r)
+        self.requests = LoopCounter("quadriga_requests_total", "Finished requests by finish reason",
+                                    ["reason"], registry=r)
+        self.accepted = LoopCounter("quadriga_requests_accepted_total", "Accepted requests", registry=r)
+        self.prompt_tokens = LoopCounter("quadriga_prompt_tokens_total",
+                                         "Prompt tokens of accepted requests", registry=r)
+        self.generation_tokens = LoopCounter("quadriga_generation_tokens_total",
+                                             "Output tokens received from replicas", registry=r)
+        self.requeues = LoopCounter("quadriga_requeues_total", "Requests moved back to a queue",
+                                    ["reason"], registry=r)
+        self.cancellations = LoopCounter("quadriga_cancellations_total", "Cancelled requests",
+                                         ["source"], registry=r)
+        self.rejections = LoopCounter("quadriga_rejections_total", "Rejected requests by reason",
+                                      ["reason"], registry=r)
+        self.replica_faults = LoopCounter("quadriga_replica_faults_total",
+                                          "Replica streams dropped for a protocol violation", registry=r)
+        self.messages_in = LoopCounter("quadriga_messages_in_total", "Messages from replicas",
+                                       ["kind"], registry=r)
+        self.messages_out = LoopCounter("quadriga_messages_out_total", "Messages to replicas",
+                                        ["kind"], registry=r)
+        self.client_messages = LoopCounter("quadriga_client_messages_total",
+                                           "GenerateResponse messages sent to clients", registry=r)
+        self.redis_round_trips = LoopCounter("quadriga_redis_round_trips_total",
+                                             "Redis round trips", registry=r)
         self.redis_pending = Gauge("quadriga_redis_pending_writes",
                                    "Writes queued for Redis, not yet durable", registry=r)
-        self.lost_writes = Counter(
+        self.lost_writes = LoopCounter(
             "quadriga_redis_lost_writes_total",
             "Requests of which Redis lost writes it had acknowledged (a restart or failover): "
             "output and submits written again from memory, records gone (the request failed)",
             ["kind"], registry=r)
         self.redis_stalled = Gauge("quadriga_redis_stalled",
                                    "1 while Redis is slower than the stall threshold", registry=r)
-        self.prefix_hit = Histogram("quadriga_prefix_hit_tokens",
-                                    "Cached prefix tokens on the replica a request was placed on",
-                                    buckets=_PREFIX_TOKENS, registry=r)
-        self.prefix_best_hit = Histogram("quadriga_prefix_best_hit_tokens",
-                                         "Longest cached prefix of a request on any live replica",
-                                         buckets=_PREFIX_TOKENS, registry=r)
-        self.prefix_context = Counter("quadriga_prefix_context_tokens_total",
-                                      "Context tokens of the placements the two above count",
-                                      registry=r)
+        self.prefix_hit = LoopHistogram("quadriga_prefix_hit_tokens",
+                                        "Cached prefix tokens on the replica a request was placed on",
+                                        buckets=_PREFIX_TOKENS, registry=r)
+        self.prefix_best_hit = LoopHistogram("quadriga_prefix_best_hit_tokens",
+                                             "Longest cached prefix of a request on any live replica",
+                                             buckets=_PREFIX_TOKENS, registry=r)
+        self.prefix_context = LoopCounter("quadriga_prefix_context_tokens_total",
+                                          "Context tokens of the placements the two above count",
+                                          registry=r)
         self.prefix_entries = Gauge("quadriga_prefix_index_entries",
                                     "Block hashes in the router's view of the replicas' caches",
                                     registry=r)
-        self.prefix_evictions = Counter("quadriga_prefix_index_evictions_total",
-                                        "Entries dropped from the view for its memory bound",
-                                        registry=r)
-        self.pull_picks = Counter("quadriga_pull_picks_total",
-                                  "Requests a Pull took: in queue order, ahead of older ones "
-                                  "for their cached prefix, past the wait bound, or as they "
-                                  "arrived (nothing else waiting)",
-                                  ["reason"], registry=r)
+        self.prefix_evictions = LoopCounter("quadriga_prefix_index_evictions_total",
+                                            "Entries dropped from the view for its memory bound",
+                                            registry=r)
+        self.pull_picks = LoopCounter("quadriga_pull_picks_total",
+                                      "Requests a Pull took: in queue order, ahead of older ones "
+                                      "for their cached prefix, past the wait bound, or as they "
+                                      "arrived (nothing else waiting)",
+                                      ["reason"], registry=r)
         self.prefill_rate = Gauge("quadriga_replica_prefill_tokens_per_second",
                                   "A replica's prefill speed from its prefill-heavy steps "
                                   "(what pull affinity weighs a cached token with)",
                                   ["replica"], registry=r)
         self._last_round_trips = 0
         self._last_evictions = 0
-        # labels() takes a lock and builds a key on every call: children are cached.
+        # labels() builds a key on every call: children are cached.
         self._finished: dict[int, object] = {}
         self._out: dict[str, object] = {}
         self._picks: dict[str, object] = {}

@@ -55,8 +55,15 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
                       "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, headers=None) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
+class JSONAnswer(JSONResponse):
+    """A JSON response rendered by render.json_bytes (pydantic's serializer)."""
+
+    def render(self, content) -> bytes:
+        return render.json_bytes(content)
+
+
+def error_response(status: int, message: str, headers=None) -> JSONAnswer:
+    return JSONAnswer(error_body(status, message), status_code=status, headers=headers)
 
 
 def describe_validation_error(err: RequestValidationError) -> str:
@@ -224,7 +231,7 @@ class OpenAIFrontend:
             served = _RequireApiKey(served, self.keys, self.metrics.rejections.labels("client_auth").inc)
         return served
 
-    async def _refused(self, _request, err: Exception) -> JSONResponse:
+    async def _refused(self, _request, err: Exception) -> JSONAnswer:
         """A call refused with a reason the client can act on, in OpenAI's shape."""
         if isinstance(err, RouterError):
             self.metrics.rejections.labels(err.reason).inc()
@@ -376,7 +383,7 @@ class OpenAIFrontend:
             failed = next((r for r in reqs if r.finish_reason == ERROR), None)
             if failed is not None:
                 return error_response(500, failed.error or "the request failed")
-            return JSONResponse(render.full_response(meta, reqs, tokenizer), headers=headers)
+            return JSONAnswer(render.full_response(meta, reqs, tokenizer), headers=headers)
         finally:
             watcher.cancel()
             for req, sub in zip(reqs, subs):

@@ -13,10 +13,12 @@ about the same mistake.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.seeds import derived_seed
 from router.requests.spec import RequestSpec, Sampling, bias_pairs
 from router.validation import MAX_STREAM_INTERVAL, invalid
 
@@ -195,10 +197,6 @@ def _is_int(x) -> bool:
 def _expand(body: _Common, prompts, sampling: Sampling, request_id: str) -> list[RequestSpec]:
     """n completions of each prompt; with a seed, completion k uses derived_seed(seed, k)
     (completion 0 keeps it), so each call with the same body gets the same answers."""
-    from dataclasses import replace
-
-    from common.seeds import derived_seed
-
     specs = []
     interval = 0 if body.stream else WHOLE_ANSWER_STREAM_INTERVAL   # 0: the router's default
     many = len(prompts) * body.n > 1

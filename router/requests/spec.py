@@ -10,9 +10,11 @@ import hashlib
 import json
 from dataclasses import dataclass, field, fields
 
-# Reused encoders: json.dumps builds a new encoder per call unless its arguments
-# are the defaults, and these run for every request.
-_COMPACT = json.JSONEncoder(separators=(",", ":"))
+from pydantic_core import to_json
+
+# Reused: json.dumps builds a new encoder per call unless its arguments are the
+# defaults. The digest keeps json's canonical form (sorted keys, ASCII), which
+# Redis holds for every stored request: a re-attach compares against it.
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
 
 
@@ -48,7 +50,7 @@ class Sampling:
                 continue
             out[k] = list(v) if isinstance(v, tuple) else v
         object.__setattr__(self, "set_fields", out)
-        object.__setattr__(self, "set_fields_json", _COMPACT.encode(out))
+        object.__setattr__(self, "set_fields_json", to_json(out).decode())
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ def test_client_disconnect_cancels(redis_url, tiny_model, arun):
                 await wait_until(lambda: rep.rec.cancels == ["run"])
                 # counted when the handler's cancellation is handled, which may trail the Cancel
                 disconnects = app.metrics.cancellations.labels("disconnect")
-                await wait_until(lambda: disconnects._value.get() == 2)
+                await wait_until(lambda: disconnects.value == 2)
             await reps.close()
 
     arun(scenario())
@@ -136,8 +136,8 @@ def test_queue_limit_and_no_replica(redis_url, tiny_model, arun):
                     assert (await t)[-1].finish_reason == gpb.FINISH_REASON_LENGTH
                 await reps.close()
             rejected = app.metrics.rejections
-            assert rejected.labels("queue_full")._value.get() == 1
-            assert rejected.labels("no_replica")._value.get() == 1
+            assert rejected.labels("queue_full").value == 1
+            assert rejected.labels("no_replica").value == 1
 
     arun(scenario())
 

@@ -385,7 +385,7 @@ def test_a_request_whose_record_redis_lost_while_another_router_ran_it_is_stored
                                                    timeout=60))
                 await wait_until(lambda: a.table.get("lost") and len(a.table.get("lost").tokens) >= 5)
                 await r.delete(record_key, a.store.out_key("lost"), a.store.txt_key("lost"))
-                await wait_until(lambda: b.metrics.lost_writes.labels("record")._value.get() >= 1)
+                await wait_until(lambda: b.metrics.lost_writes.labels("record").value >= 1)
                 for _ in range(500):   # A's read-back names it a front again
                     if await r.hget(record_key, "fe") == a.lease.router_id.encode():
                         break
@@ -421,7 +421,7 @@ def test_a_request_its_front_abandoned_is_not_stored_again_by_the_router_running
                 await wait_until(lambda: "x" not in b.table.requests)
                 await asyncio.sleep(0.3)   # a step that was in flight has been answered
                 assert not await a.store.redis.exists(a.store.req_key("x"))
-                assert b.metrics.lost_writes.labels("record")._value.get() == 0
+                assert b.metrics.lost_writes.labels("record").value == 0
                 task.cancel()
             await reps.close()
 

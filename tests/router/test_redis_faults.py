@@ -74,7 +74,7 @@ def test_submit_whose_reply_is_lost_is_stored_once(proxy, tiny_model, arun):
                 msgs = await collect(stub, request([4], 6, request_id="s"))
             assert tokens_of(msgs) == expected_tokens([4], 6, vocab)
             assert proxy.dropped == 1
-            assert app.metrics.accepted._value.get() == 1
+            assert app.metrics.accepted.value == 1
             assert len(reps["r0"].rec.assignments) == 1
             await reps.close()
             await assert_clean(app)
@@ -150,7 +150,7 @@ def test_step_write_whose_reply_is_lost_drops_no_one(proxy, tiny_model, arun, lo
                 again = await collect(stub, req, timeout=20)
                 assert tokens_of(again) == expected_tokens([7], 5, vocab)
             assert app.registry.get("r0") is session and rep.rec.errors == []
-            assert app.metrics.requeues.labels("replica_gone")._value.get() == 0
+            assert app.metrics.requeues.labels("replica_gone").value == 0
             await reps.close()
             await assert_clean(app)
 
@@ -397,7 +397,7 @@ def test_output_redis_lost_after_acknowledging_it_is_written_again(proxy, direct
                 [rec] = await app.store.load_requests(["h"])
                 assert rec["tokens"] == expected_tokens([4], 120, vocab)
                 assert rec["st"] == b"f"
-                assert app.metrics.lost_writes.labels("output")._value.get() >= 1
+                assert app.metrics.lost_writes.labels("output").value >= 1
                 again = await collect(stub, request([4], 120, request_id="h"))
                 assert tokens_of(again) == expected_tokens([4], 120, vocab)
             await reps.close()
@@ -430,7 +430,7 @@ def test_queued_requests_redis_lost_are_stored_again_once_it_answers(proxy, dire
                 for key in direct.scan_iter(match=app.store.queue_key("*")):
                     direct.delete(key)
                 proxy.reset()   # Redis "restarted": the next write reconnects
-                await wait_until(lambda: app.metrics.lost_writes.labels("submit")._value.get() == 3)
+                await wait_until(lambda: app.metrics.lost_writes.labels("submit").value == 3)
                 for rid, p in prompts.items():
                     msgs = await tasks[rid]
                     assert tokens_of(msgs) == expected_tokens(p, 3, vocab), rid
@@ -473,7 +473,7 @@ def test_a_running_request_whose_record_redis_lost_is_stored_again_and_finishes(
                 assert rec["tokens"] == expected_tokens([3], 200, vocab) and rec["st"] == b"f"
                 again = await collect(stub, request([3], 200, request_id="gone"))
                 assert tokens_of(again) == expected_tokens([3], 200, vocab)
-            assert app.metrics.lost_writes.labels("record")._value.get() >= 1
+            assert app.metrics.lost_writes.labels("record").value >= 1
             assert len(rep.rec.assignments) == 2 and not rep.rec.cancels
             await reps.close()
             await assert_clean(app)

@@ -20,9 +20,9 @@ async def submit_in_order(app, stub, reqs):
     """Starts streams one by one, each accepted before the next is sent."""
     tasks = []
     for r in reqs:
-        before = app.metrics.accepted._value.get()
+        before = app.metrics.accepted.value
         tasks.append(asyncio.create_task(collect(stub, r)))
-        await wait_until(lambda: app.metrics.accepted._value.get() > before)
+        await wait_until(lambda: app.metrics.accepted.value > before)
     return tasks
 
 

@@ -90,7 +90,7 @@ def test_a_recoverable_engine_error_hands_the_step_back_and_nothing_is_failed(
                 results = await asyncio.gather(*(collect(stub, r, timeout=60) for r in requests(n)))
             worker.begin_drain()
             await asyncio.wait_for(task, 10)
-            return results, app.metrics.requeues.labels("hand_back")._value.get()
+            return results, app.metrics.requeues.labels("hand_back").value
 
     results, handed_back = arun(scenario(), timeout=120)
     expected = hf_greedy(str(tiny_model), PROMPTS, n)
