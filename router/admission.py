@@ -44,6 +44,8 @@ class Admission:
         self.waiting_for_replica = 0
         # Replicas connected to the other live routers (set by the router's wiring).
         self.replicas_elsewhere = lambda: 0
+        # Called on the loop once a tokenizer has loaded (the router freezes its heap then).
+        self.on_loaded = lambda: None
         self.executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self._tokenizer: asyncio.Future | None = None   # transformers', loaded when first needed
         self._encoder: asyncio.Future | None = None
@@ -63,6 +65,7 @@ class Admission:
     def _encoder_loaded(self, future: asyncio.Future) -> None:
         if future.cancelled():
             return   # stopping
+        self.on_loaded()
         if future.exception() is not None:
             log.warning("the fast tokenizer of %s did not load (%s); prompts are encoded "
                         "with transformers' tokenizer", self.config.model, future.exception())
@@ -73,8 +76,12 @@ class Admission:
         if self._tokenizer is None:
             loop = asyncio.get_running_loop()
             self._tokenizer = loop.run_in_executor(self.executor, load_tokenizer, self.config.model)
-            self._tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._tokenizer.add_done_callback(self._tokenizer_loaded)
         return self._tokenizer
+
+    def _tokenizer_loaded(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None:   # the exception is retrieved
+            self.on_loaded()
 
     def prepare_chat(self) -> None:
         """With the OpenAI door open and a chat template in the folder, starts loading
