@@ -10,6 +10,8 @@
 set -uo pipefail
 carry=${1:-.carry}; out=${2:?give OUT}; mkdir -p "$out"
 call_s=${CALL_S:-580}; start=$(date +%s)
+# transformers' largest batch that fits: 384 on the H200; on an 80 GB card 192 (256's prefill ran out of memory)
+case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in *H200*) hf_batches=${HF_BATCHES:-384} ;; *) hf_batches=${HF_BATCHES:-192} ;; esac
 left() { echo $(( call_s - ($(date +%s) - start) )); }
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | tr -cd '[:alnum:]' | tr 'A-Z' 'a-z' | sed 's/nvidia//')
 WARM_TIMEOUT_S=${WARM_TIMEOUT_S:-150} bash benchmarks/gpu/run_warm.sh "$carry" "$out" true 2>&1 | tail -n 6
@@ -20,6 +22,6 @@ timeout "$(( $(left) < 120 ? $(left) : 120 ))" python3 benchmarks/gpu/bench_asyn
     --modes async --out "$out/async_decode_$card.json" 2>&1 | grep -E "batch|rror" | tail -n 6
 echo "after the decode: $(left) s left"
 timeout "$(( $(left) - 5 ))" python3 benchmarks/gpu/bench_engine.py --out "$out/engine_${card}_hf.json" \
-    --skip-unfused --offline-threads 1 --threads 1 --hf-batches 384 2>&1 \
+    --skip-unfused --offline-threads 1 --threads 1 --hf-batches "$hf_batches" 2>&1 \
     | grep -vE "^\s*$|it/s\]" | tail -n 30
 echo "done: $(( $(date +%s) - start )) s"
