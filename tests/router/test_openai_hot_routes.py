@@ -6,12 +6,14 @@ real router is tests/e2e/test_openai_api.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import httpx
 from starlette.responses import JSONResponse, PlainTextResponse
 
-from router.frontends.openai_http import _HotRoutes, error_response
+from router.frontends.openai_http import JSONAnswer, _HotRoutes, error_response
+from router.frontends.openai_render import json_bytes, sse
 from router.validation import RouterError
 
 
@@ -72,3 +74,15 @@ def test_an_answer_that_fails_before_it_starts_is_a_500_in_openai_shape():
     answer = call({"/v1/completions": handler}, "POST", "/v1/completions")
     assert answer.status_code == 500
     assert answer.json()["error"]["message"] == "internal error in the router"
+
+
+def test_a_json_answer_carries_what_json_would_and_writes_a_non_finite_number_null():
+    async def handler(_request):
+        return JSONAnswer({"text": "café ✓", "logprob": float("-inf"), "n": [1, 2.5, None]})
+
+    answer = call({"/v1/completions": handler}, "POST", "/v1/completions")
+    assert answer.status_code == 200
+    assert answer.headers["content-type"] == "application/json"
+    assert answer.json() == {"text": "café ✓", "logprob": None, "n": [1, 2.5, None]}
+    assert sse({"a": "é"}) == 'data: {"a":"é"}\n\n'
+    assert json.loads(json_bytes({"x": 0.1, "y": 10**20})) == {"x": 0.1, "y": 10**20}
