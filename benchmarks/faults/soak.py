@@ -50,6 +50,14 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes this one started (a replica worker's engine process)."""
+    pids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        pids += [int(p) for p in (task / "children").read_text().split()]
+    return pids
+
+
 def gauge(url: str, name: str) -> float:
     text = urllib.request.urlopen(url, timeout=5).read().decode()
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -157,6 +165,8 @@ class Watch:
                "requests_done": len(load.done), "requests_failed": load.failed}
         for rid, child in st.replicas.items():
             row[f"{rid}_rss_mb"] = round(rss_mb(child.proc.pid), 1)
+            # The engine runs in a process of its own: the model, the KV cache.
+            row[f"{rid}_engine_rss_mb"] = round(sum(map(rss_mb, child_pids(child.proc.pid))), 1)
             row[f"{rid}_kv_in_use_when_idle"] = gauge(
                 f"http://127.0.0.1:{self.metrics[rid]}/metrics", "vllm:kv_cache_usage_perc")
         inflight = [m.decode() for m in self.redis.zrange(prefix + "inflight", 0, 9)]
