@@ -94,6 +94,11 @@ class LocalRouter:
         return self.redis.url
 
     @property
+    def replica_pids(self) -> list[int]:
+        """The scripted replicas' processes: where a peer's mock backend stands."""
+        return [proc.pid for proc in self.procs if proc is not self.router]
+
+    @property
     def vocab(self) -> int:
         return json.loads((self.model / "config.json").read_text())["vocab_size"]
 

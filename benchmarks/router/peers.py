@@ -61,6 +61,9 @@ DEFINITIONS = {
     "requests_per_s": "completed requests / wrk's measured duration (closed loop: what the target "
                       "sustains at that concurrency)",
     "cpu_ms_per_request": "the router process's user+sys CPU during the run / completed requests",
+    "mock_cpu_ms_per_request": "the same of the backend: the mock behind direct and the peers; "
+                               "Quadriga's scripted replicas, all of them",
+    "redis_cpu_ms_per_request": "the same of Quadriga's Redis server",
     "spread": "median over repeats, with min and max",
 }
 
@@ -206,11 +209,19 @@ def measure(t: Targets, name: str, s: WrkSettings, wrk: str) -> dict:
         run = lambda st: run_wrk(wrk, t.urls[name], st)  # noqa: E731
     if t.args.warmup > 0:
         run(WrkSettings(**{**s.__dict__, "duration_s": t.args.warmup}))
-    pid, mock_pid = t.pid(name), t.procs["direct"].pid
-    cpu0, mock0 = cpu_seconds(pid), cpu_seconds(mock_pid)
+    # What else the box spends on a request: a peer's mock backend; Quadriga's
+    # scripted replicas (they stand where the mock stands) and its Redis.
+    companions = {"mock": [t.procs["direct"].pid]}
+    if name.startswith("quadriga"):
+        companions = {"mock": t.quadriga.replica_pids, "redis": [t.quadriga.redis.proc.pid]}
+    pid = t.pid(name)
+    cpu0 = cpu_seconds(pid)
+    before = {k: sum(map(cpu_seconds, pids)) for k, pids in companions.items()}
     row = run(s)
-    row["cpu_ms_per_request"] = (cpu_seconds(pid) - cpu0) / max(1, row["requests"]) * 1e3
-    row["mock_cpu_ms_per_request"] = (cpu_seconds(mock_pid) - mock0) / max(1, row["requests"]) * 1e3
+    per_request = lambda seconds: seconds / max(1, row["requests"]) * 1e3  # noqa: E731
+    row["cpu_ms_per_request"] = per_request(cpu_seconds(pid) - cpu0)
+    for k, pids in companions.items():
+        row[f"{k}_cpu_ms_per_request"] = per_request(sum(map(cpu_seconds, pids)) - before[k])
     return row
 
 

@@ -20,6 +20,7 @@ from benchmarks.router.local_router import ROOT
 P50_RATIO_MAX = 2.0
 RPS_SHARE_MIN = 0.4
 QUADRIGA, REFERENCE = "quadriga-http", "sglang-router"
+COMPANION_CPU = ("mock_cpu_ms_per_request", "redis_cpu_ms_per_request")
 
 
 def _read(path: str, key: str) -> str | None:
@@ -97,6 +98,7 @@ def summarize(raw: list[dict]) -> tuple[list[dict], dict]:
                  "p50_ms": _spread(p50), "p99_ms": _spread(p99),
                  "requests_per_s": _spread([r["requests_per_s"] for r in rows]),
                  "cpu_ms_per_request": _spread([r["cpu_ms_per_request"] for r in rows]),
+                 **{k: _spread([r[k] for r in rows]) for k in COMPANION_CPU if k in rows[0]},
                  "errors": sum(r["error_count"] for r in rows)}
         if target != "direct":
             base = [direct[(r["repeat"], c, n)]["latency_us"]["percentiles"] for r in rows]
@@ -140,12 +142,13 @@ def _fmt(s: dict | None, digits: int = 3) -> str:
 
 def print_table(summary: list[dict], checks: dict) -> None:
     print(f"\n{'target':14s} {'c':>3s} {'n':>3s}  {'p50 ms':>24s}  {'p99 ms':>24s}  "
-          f"{'added p50 ms':>24s}  {'added p99 ms':>24s}  {'req/s':>26s}  cpu/req ms")
+          f"{'added p50 ms':>24s}  {'added p99 ms':>24s}  {'req/s':>26s}  cpu/req ms: router backend redis")
     for e in sorted(summary, key=lambda e: (e["concurrency"], e["max_tokens"], e["target"])):
         print(f"{e['target']:14s} {e['concurrency']:3d} {e['max_tokens']:3d}  {_fmt(e['p50_ms']):>24s}  "
               f"{_fmt(e['p99_ms']):>24s}  {_fmt(e.get('added_p50_ms')):>24s}  "
               f"{_fmt(e.get('added_p99_ms')):>24s}  {_fmt(e['requests_per_s'], 0):>26s}  "
-              f"{e['cpu_ms_per_request']['median']:.3f}")
+              f"{e['cpu_ms_per_request']['median']:.3f} "
+              + " ".join(f"{e[k]['median']:.3f}" if k in e else "-" for k in COMPANION_CPU))
     if not checks.get("checked"):
         print("targets not checked:", checks.get("why"))
         return
