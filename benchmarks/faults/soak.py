@@ -24,7 +24,6 @@ import asyncio
 import json
 import random
 import shlex
-import signal
 import sys
 import tempfile
 import time
@@ -141,14 +140,21 @@ async def probe(stack: FaultStack, vocab: int, rate: float, seconds: float) -> d
 
 
 async def find_capacity(stack: FaultStack, vocab: int, start: float, seconds: float) -> tuple[float, list]:
-    probes, rate, best = [], start, 0.0
-    while True:
+    """The highest rate that passes: up from `start` by 1.25x until one fails,
+    or, when `start` itself fails, down by as much until one passes."""
+    probes, rate, best, going_up = [], start, 0.0, None
+    while rate >= 1.0:
         p = await probe(stack, vocab, rate, seconds)
         probes.append(p)
         print(json.dumps(p), flush=True)
-        if p["failed"] or p["ttft_p99_s"] > 2.0:
+        passed = not p["failed"] and p["ttft_p99_s"] <= 2.0
+        going_up = passed if going_up is None else going_up
+        if passed:
+            best = rate
+        if passed != going_up:
             return best, probes
-        best, rate = rate, rate * 1.25
+        rate = rate * 1.25 if going_up else rate / 1.25
+    return best, probes
 
 
 class Watch:
