@@ -6,7 +6,9 @@ on the router's event loop."""
 from __future__ import annotations
 
 from common.pb.quadriga.v1 import generation_pb2 as gpb
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+import gc
+
+from prometheus_client import CollectorRegistry, Gauge, GCCollector, ProcessCollector, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 from router.loop_metrics import LoopCounter, LoopHistogram
@@ -99,6 +101,16 @@ class Metrics:
         series goes when the table forgets the replica."""
         self.registry.register(_TableGauges(table))
 
+    def watch_process(self) -> None:
+        """The series of the process itself, for a router that owns its process
+        (router/server.py serve()): prometheus_client's process_* (CPU, memory)
+        and python_gc_* (collections by generation), and the objects frozen out
+        of the collector's view. Routers built inside a test process leave the
+        process to it, as they leave its heap."""
+        ProcessCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.registry.register(_HeapGauges())
+
     def forget_replica(self, replica_id: str) -> None:
         """A replica left for good: its labelled series go too (bounded memory)."""
         if self._prefill_rates.pop(replica_id, None) is not None:
@@ -161,3 +173,16 @@ class _TableGauges:
             inflight.add_metric([replica_id], count)
         yield depth
         yield inflight
+
+
+class _HeapGauges:
+    """What the garbage collector is spared: the router freezes its heap once
+    started and after each tokenizer load (router/server.py freeze_heap)."""
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        yield GaugeMetricFamily("quadriga_router_heap_frozen_objects",
+                                "Objects taken out of the garbage collector's view (gc.freeze)",
+                                value=gc.get_freeze_count())

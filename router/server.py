@@ -310,6 +310,7 @@ async def serve(config: RouterConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     while True:
         app = RouterApp(config)
+        app.metrics.watch_process()
         await app.start()
         app.admission.on_loaded = freeze_heap
         freeze_heap()
