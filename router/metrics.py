@@ -5,9 +5,9 @@ on the router's event loop."""
 
 from __future__ import annotations
 
-from common.pb.quadriga.v1 import generation_pb2 as gpb
 import gc
 
+from common.pb.quadriga.v1 import generation_pb2 as gpb
 from prometheus_client import CollectorRegistry, Gauge, GCCollector, ProcessCollector, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
