@@ -16,6 +16,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def rss_mb(pid: int | str = "self") -> float:
+    """A process's resident memory now, in MiB (NaN if /proc does not say)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def tree_commit(tree: Path = ROOT) -> str:
     """A tree's commit: its COMMIT file, else git's answer if the tree is a
     checkout's root (with ' (modified)' when tracked files differ from it).

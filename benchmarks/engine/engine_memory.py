@@ -23,14 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import save_result, tree_commit
-
-
-def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+from benchmarks.common import rss_mb, save_result, tree_commit
 
 
 def main(argv=None) -> int:

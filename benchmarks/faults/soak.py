@@ -35,18 +35,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import tree_commit  # noqa: E402
+from benchmarks.common import rss_mb, tree_commit  # noqa: E402
 from benchmarks.faults.run import FaultStack  # noqa: E402
 from common.redis_server import free_port  # noqa: E402
 from common.tiny_model import build_tiny_model  # noqa: E402
 from common.tokenizer import vocab_size  # noqa: E402
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def child_pids(pid: int) -> list[int]:
