@@ -136,14 +136,19 @@ class Admission:
         if found is not None:
             return found
         queue = self.scheduler.arrival_queue(ids, max_tokens)
-        # Only an id the router made may start before Redis holds it (table.admit).
-        taker = (self.scheduler.take_at_arrival(Arrival(ids, max_tokens), queue)
-                 if not spec.request_id else None)
+        # Only an id the router made may start before Redis holds it (table.admit);
+        # a client's, taken at arrival, is held until its submit is stored.
+        held = bool(spec.request_id)
+        taker = self.scheduler.take_at_arrival(Arrival(ids, max_tokens), queue, held)
         if taker is not None:
             req, stored = self.table.admit(spec, ids, max_tokens, queue, rid, digest,
                                            tell_others=False, replica=taker.id)
-            self.scheduler.assigned_at_arrival(taker, req, queue)
+            if held:
+                self.scheduler.hold_at_arrival(taker, req)
+            else:
+                self.scheduler.assigned_at_arrival(taker, req, queue)
         else:
+            held = False
             req, stored = self.table.admit(spec, ids, max_tokens, queue, rid, digest,
                                            tell_others=not self.scheduler.takes_arrival(queue))
         try:
@@ -152,17 +157,27 @@ class Admission:
             # submit, and withdraw removes it once it has landed.
             created, value, state = await stored
         except TimeoutError:
-            self.table.withdraw(req)
+            self._withdraw(req)
             raise unavailable(f"Redis did not store the request within {self.config.submit_timeout:g} s; "
                               "retry (with the same request_id to be safe)", "store") from None
         except BaseException:
-            self.table.withdraw(req)
+            self._withdraw(req)
             raise
         if not int(created):
+            self.scheduler.release_held(rid)
             self.table.forget_unstored(req)
             return await self._from_store(rid, digest, value.decode())
         self.table.confirm(req)
+        if held:
+            self.scheduler.send_held(req, queue)
         return req
+
+    def _withdraw(self, req: RequestState) -> None:
+        # Still on its replica, a held request's Cancel is not sent and its seat
+        # comes back (server._cancel_on_replica); requeued meanwhile (its replica
+        # left), it is released here.
+        self.table.withdraw(req)
+        self.scheduler.release_held(req.id)
 
     def _in_memory(self, rid: str, digest: str) -> RequestState | None:
         if self.table.withdrawing(rid):

@@ -49,7 +49,8 @@ class RouterConfig:
     show_output: str = "first_and_finish"
     redis_max_in_flight: int = 1       # write batches sent before the first one's replies are back
     # 1: a request that a pop would take at once is assigned as it arrives, its Assign
-    # sent while its submit is on the way to Redis (scheduling/pull.py take_at_arrival);
+    # sent while its submit is on the way to Redis, or, for a client's id, once the
+    # submit's reply says it was stored (scheduling/pull.py take_at_arrival);
     # 0: every request is stored, then popped.
     take_at_arrival: int = 1
     shutdown_timeout: float = 5.0      # on SIGTERM: time to make pending writes durable

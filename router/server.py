@@ -140,6 +140,8 @@ class RouterApp:
         self.http_port = 0
 
     def _cancel_on_replica(self, owner: str, rid: str) -> None:
+        if self.scheduler.release_held(rid):
+            return   # held for its submit's reply: its replica never heard of it
         session = self.registry.get(owner)
         if session is not None:
             session.send_cancel([rid])

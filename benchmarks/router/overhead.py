@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from benchmarks.common import tree_commit
@@ -89,7 +90,7 @@ def redis_cpu_seconds(r) -> float:
 # ---- load generator (runs in its own process: --client) ----
 
 async def _client(address: str, rate: float, duration: float, vocab: int, seed: int,
-                  output_tokens: int) -> dict:
+                  output_tokens: int, client_ids: bool = False) -> dict:
     import grpc
 
     from common.pb.quadriga.v1 import generation_pb2 as gpb
@@ -105,6 +106,11 @@ async def _client(address: str, rate: float, duration: float, vocab: int, seed: 
     reqs = [gpb.GenerateRequest(prompt_token_ids=[rng.randrange(vocab) for _ in range(16)],
                                 sampling=gpb.SamplingParams(max_tokens=output_tokens))
             for _ in times]
+    warm = gpb.GenerateRequest()
+    warm.CopyFrom(reqs[0])
+    if client_ids:   # as client.FailoverStream names every request it sends
+        for req in [warm, *reqs]:
+            req.request_id = uuid.uuid4().hex
     lat, e2e, queue, fails = [], [], [], []
     done_at = [0.0]
 
@@ -124,7 +130,7 @@ async def _client(address: str, rate: float, duration: float, vocab: int, seed: 
 
     async with grpc.aio.insecure_channel(address) as channel:
         call_fn = generation_pb2_grpc.GenerationStub(channel).Generate
-        await one(call_fn, reqs[0])  # warm the channel
+        await one(call_fn, warm)  # warm the channel
         lat.clear(); e2e.clear(); queue.clear()
         loop = asyncio.get_running_loop()
         tasks = []
@@ -154,7 +160,7 @@ def client_main(args) -> int:
     except ImportError:
         run = asyncio.run
     row = run(_client(args.client, args.rate, args.duration, args.vocab, args.seed,
-                      args.output_tokens[0]))
+                      args.output_tokens[0], args.client_ids))
     print(json.dumps(row))
     return 0
 
@@ -177,6 +183,9 @@ def parse_args(argv=None):
                    help="also run this tree's router with extra arguments, side by side, "
                         "e.g. window1='--redis-max-in-flight 1' (repeatable)")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--client-ids", action="store_true",
+                   help="every request carries an id of the client's (as client.FailoverStream "
+                        "sends), not one the router makes")
     p.add_argument("--paired", metavar="CPUS:CPUS",
                    help="with exactly two sides: run them at the same time, each with its own "
                         "Redis, replicas and load generator pinned to one CPU set (e.g. 0-6:8-14), "
@@ -230,7 +239,8 @@ def measure(args, router, address: str, mport: int, r, vocab: int, rate: float,
     t0 = time.perf_counter()
     out = subprocess.run([py, "-m", "benchmarks.router.overhead", "--client", address,
                           "--rate", str(rate), "--duration", str(args.duration),
-                          "--vocab", str(vocab), "--output-tokens", str(output_tokens)],
+                          "--vocab", str(vocab), "--output-tokens", str(output_tokens),
+                          *(["--client-ids"] if args.client_ids else [])],
                          cwd=ROOT, capture_output=True, text=True, env=project_env())
     wall = time.perf_counter() - t0
     if out.returncode != 0:
@@ -376,7 +386,9 @@ def main(argv=None) -> int:
         "machine": f"{os.cpu_count()} cores; router, {args.replicas} scripted replicas, Redis and "
                    "the load generator (one process, one channel) share them",
         "workload": "16-token prompts, output_tokens greedy tokens each, replicas answer at once "
-                    "(one StepOutputs per step for all their requests); Poisson arrivals",
+                    "(one StepOutputs per step for all their requests); Poisson arrivals; "
+                    + ("every request_id the client's (a uuid4 each)" if args.client_ids
+                       else "request ids made by the router"),
         "sides": {name: " ".join([str(tree), *extra]) for name, tree, extra in sides},
         "paired": (f"both sides at once, each pinned to one of the CPU sets {args.paired}, "
                    "swapped every repeat; rows of one repeat share a 'pair'") if args.paired else None,

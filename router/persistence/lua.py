@@ -42,7 +42,9 @@ from router.persistence.lua_common import FINISH_EVENT, fenced
 # event a delta).
 # A replica named (not ''): the request was taken at arrival (router/scheduling/
 # pull.py, take_at_arrival): it is stored leased to that replica, as a pop
-# would lease it (assignment 1, this router its back), and never queued.
+# would lease it (assignment 1, this router its back), and never queued. An id
+# already stored is left as it is (the router holds a client's id's Assign for
+# this reply, and sends it only if this submit stored the request).
 SUBMIT = fenced("""
 local prefix = ARGV[1]
 local out = {}

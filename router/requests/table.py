@@ -144,8 +144,12 @@ class RequestTable(CrossRouter):
         return [r for r in self._detached.values() if r.lease_deadline <= now]
 
     def running_leases(self, replica_ids, now: float) -> dict[str, float]:
+        """Leases to renew. A client's id taken at arrival is left out until its
+        submit is stored: that submit leases it, and if Redis refuses it the id
+        is another request's, whose lease is not this router's to extend."""
         return {rid: now + self.lease_ttl for owner in replica_ids
-                for rid, req in self._owned.get(owner, {}).items() if req.phase is Phase.RUNNING}
+                for rid, req in self._owned.get(owner, {}).items()
+                if req.phase is Phase.RUNNING and (req.confirmed or not req.spec.request_id)}
 
     # ---- index upkeep (private) ----
     def _enqueue(self, req: RequestState, queue: str) -> None:
@@ -199,13 +203,14 @@ class RequestTable(CrossRouter):
         tell_others False: its submit does not wake the other routers (this
         router's scheduler takes it, or tells them itself).
         replica: taken at arrival (the scheduler's take_at_arrival): RUNNING on it
-        at once, its first assignment, and stored leased to it; only for an id the
-        router made, which no other request can hold, so its submit cannot be
-        refused and the replica may start before Redis has the record. Until the
-        submit is durable the client is not answered (admission.open awaits it),
-        so nothing is shown of a request Redis may not hold."""
+        at once, its first assignment, and stored leased to it. An id the router
+        made is in no other request, so its submit cannot be refused and the
+        replica may start before Redis has the record; a client's id may be
+        taken, so the scheduler holds its Assign until the submit's reply (and
+        forget_unstored drops it if refused). Until the submit is durable the
+        client is not answered (admission.open awaits it), so nothing is shown
+        of a request Redis may not hold."""
         assert rid not in self.requests, rid
-        assert replica is None or not spec.request_id, rid
         now = time.time()
         req = RequestState(spec, prompt_ids, rid=rid, digest=digest, max_tokens=max_tokens,
                            arrival=now)
@@ -266,14 +271,19 @@ class RequestTable(CrossRouter):
         if req.poppable:
             return
         req.poppable = True
-        if req.phase is Phase.QUEUED:
+        if req.phase is Phase.QUEUED:   # not one taken at arrival, or ended meanwhile
             self._poppable[req.queue] = self._poppable.get(req.queue, 0) + 1
-        self.on_queued()
+            self.on_queued()
 
     def forget_unstored(self, req: RequestState) -> None:
-        """Its submit found the id taken in Redis: this copy never existed."""
-        assert req.phase is Phase.QUEUED, req.phase
-        self._dequeue(req)
+        """Its submit found the id taken in Redis: this copy never existed.
+        Queued, or running on the replica that took it at arrival (its Assign
+        held back for this reply, so that replica never heard of it), or
+        already ended here (cancelled while its submit was on the way)."""
+        if req.phase is Phase.QUEUED:
+            self._dequeue(req)
+        elif req.owner is not None:
+            self._disown(req)
         req.phase = Phase.FINISHED
         if self.requests.get(req.id) is req:
             del self.requests[req.id]

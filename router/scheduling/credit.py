@@ -44,8 +44,19 @@ class Credit:
     def token_limit(self) -> int | None:
         return None if self.unlimited_tokens else self.tokens
 
-    def spend(self, context_tokens: int) -> None:
+    def spend(self, context_tokens: int) -> int:
+        """Uses one request's share; returns the prompt tokens it took, which
+        refund gives back."""
         self.requests -= 1
         # An overrun (see lua.POP) is not carried into the next grant: the
         # replica's capacity already counts the request it started.
+        taken = 0 if self.unlimited_tokens else min(self.tokens, context_tokens)
         self.tokens = max(0, self.tokens - context_tokens)
+        return taken
+
+    def refund(self, tokens: int) -> None:
+        """Gives back what spend took for a request whose Assign was never sent.
+        Grants add to what is outstanding, so a grant in between is kept."""
+        self.requests += 1
+        if not self.unlimited_tokens:
+            self.tokens += tokens

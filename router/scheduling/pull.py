@@ -68,6 +68,9 @@ class PullScheduler:
         self._takes_at_arrival = take_at_arrival
         # Requests taken at arrival in this turn of the loop, by replica: (session, requests).
         self._arrivals: dict[str, tuple[object, list]] = {}
+        # Requests with a client's id taken at arrival whose Assign waits for their
+        # submit's reply (hold_at_arrival): id -> (session, its credit, tokens spent).
+        self._held: dict[str, tuple[object, Credit, int]] = {}
         self._popping = 0          # pops in flight (their seats were counted before any reply)
         # Whether this router is the only live one on its Redis (set by the router's
         # wiring from its lease renewals); until known, it is not.
@@ -167,26 +170,31 @@ class PullScheduler:
     def kick(self) -> None:
         self._wake.set()
 
-    def take_at_arrival(self, work, queue: str) -> object | None:
-        """The session that takes an arrival placed in `queue` at once, its Assign
-        sent while its submit is on the way to Redis (table.admit with a
-        replica), or None: it is queued and popped as usual. Only where a pop
-        would take it at once anyway, in the same order: this router holds
-        nothing queued there and knows of no work in it that it cannot see
-        (other routers' included: it is the only live router, as its last lease
-        renewal found), no pop is in flight, and the replica that would pop it
-        has a seat: for the shared queue, the one the policy's Pull would
-        choose; for a replica's own queue (a push policy's placement), that
-        replica. The caller makes sure the id is the router's own (a client's
-        may be taken in Redis, and its submit refused). What it saves is the
-        submit's round trip on every request's way to its replica: it overlaps
-        the replica's work.
+    def take_at_arrival(self, work, queue: str, held: bool = False) -> object | None:
+        """The session that takes an arrival placed in `queue` at once, stored
+        leased to it (table.admit with a replica), or None: it is queued and
+        popped as usual. Only where a pop would take it at once anyway, in the
+        same order: this router holds nothing queued there and knows of no work
+        in it that it cannot see (other routers' included: it is the only live
+        router, as its last lease renewal found), no pop is in flight, and the
+        replica that would pop it has a seat: for the shared queue, the one the
+        policy's Pull would choose; for a replica's own queue (a push policy's
+        placement), that replica.
+        An id the router made is in no other request, so its submit cannot be
+        refused: its Assign goes while the submit is on the way to Redis
+        (assigned_at_arrival), which saves the submit's round trip: it overlaps
+        the replica's work. A client's id (held) may be taken in Redis, so its
+        Assign waits for the submit's reply (hold_at_arrival, send_held): one
+        round trip before the replica starts, not a submit's and then a pop's.
+        A router-made id is not taken past a held one (its Assign would go
+        first); a held one may follow a held one, as the replies come back,
+        and are acted on, in the order the submits went.
         With another router just started and not yet seen (until this router's
         next lease renewal), a request that router stored without a kick (its
         own replicas had seats, so it pops it at once) may start a moment after
         one taken here that arrived later; nothing else can pass."""
         if (not self._takes_at_arrival or self.paused or self._popping or not self.alone()
-                or self.table.waiting_in(queue)):
+                or self.table.waiting_in(queue) or (self._held and not held)):
             return None
         if queue != PENDING:
             owner = queue[len(replica_queue("")):]
@@ -209,6 +217,38 @@ class PullScheduler:
         pop's do: a message each cost the router and the replica more CPU a
         request than the round trip saved, once many arrive together."""
         self._credit[session.id].spend(req.context_len)
+        self._queue_arrival(session, req, queue)
+
+    def hold_at_arrival(self, session, req) -> None:
+        """A request with a client's id, taken at arrival by `session`: its seat
+        is spent now, so no later arrival or pop counts on it, and its Assign
+        waits for send_held (its submit stored it) or release_held."""
+        credit = self._credit[session.id]
+        self._held[req.id] = (session, credit, credit.spend(req.context_len))
+
+    def send_held(self, req, queue: str) -> None:
+        """Its submit stored it, leased to the session that held it: the Assign
+        goes with this turn's arrivals, unless it was requeued (its replica
+        left), cancelled or withdrawn meanwhile, whose seat comes back."""
+        held = self._held.pop(req.id, None)
+        if held is None:
+            return   # released: cancelled meanwhile
+        session, credit, tokens = held
+        if req.phase is Phase.RUNNING and req.owner == session.id and not session.closed:
+            self._queue_arrival(session, req, queue)
+        else:
+            credit.refund(tokens)
+
+    def release_held(self, rid: str) -> bool:
+        """A held request's Assign will never go (its submit was refused or
+        timed out, or it was cancelled): its seat comes back. False: not held."""
+        held = self._held.pop(rid, None)
+        if held is None:
+            return False
+        held[1].refund(held[2])
+        return True
+
+    def _queue_arrival(self, session, req, queue: str) -> None:
         if not self._arrivals:
             asyncio.get_running_loop().call_soon(self._send_arrivals)
         self._arrivals.setdefault(session.id, (session, []))[1].append(req)
@@ -394,6 +434,9 @@ class PullScheduler:
             for req in taken:
                 self.table.requeue(req, self.requeue_queue(req, session.id), "replica_gone")
             return True
+        if self._arrivals:
+            # Held arrivals whose submits went before this pop: their Assigns first.
+            self._send_arrivals()
         session.send_assignments(taken)
         self._record_picks(session, taken, reasons)
         return True

@@ -1,11 +1,12 @@
-"""How soon a request reaches its replica. A request whose id the router made,
-arriving while a replica has a seat and nothing else waits, is taken at
-arrival: its Assign goes out while its submit is on the way to Redis, and the
-client is answered once the submit is durable (table.admit, pull.py
-take_at_arrival). Otherwise (--take-at-arrival 0, or work waiting) such a
-request is poppable from admission: its pop rides in its submit's round trip.
-A client's id may be taken in Redis, so that request is popped only once its
-submit is durable."""
+"""How soon a request reaches its replica. A request arriving while a replica
+has a seat and nothing else waits is taken at arrival: stored leased to that
+replica (table.admit, pull.py take_at_arrival). If the router made its id, the
+Assign goes out while its submit is on the way to Redis, and the client is
+answered once the submit is durable. A client's id may be taken in Redis, so
+that request's Assign is held until the submit's reply says it was stored.
+Otherwise (--take-at-arrival 0, or work waiting) a router-made id is poppable
+from admission (its pop rides in its submit's round trip), and a client's id
+is popped only once its submit is durable."""
 
 import asyncio
 import contextlib
@@ -13,6 +14,7 @@ import contextlib
 import grpc
 import pytest
 
+from common.pb.quadriga.v1 import generation_pb2 as gpb
 from router.requests.spec import RequestSpec, Sampling
 from tests.router.test_redis_faults import SUBMIT, assert_clean
 from tests.router.test_redis_faults import direct, proxy  # noqa: F401  (the fixtures)
@@ -29,6 +31,18 @@ async def quiet(app, rep) -> None:
     await wait_until(lambda: not app.table.requests and app.writer.pending == 0
                      and credit.wants_work(0))
     await asyncio.sleep(0.2)
+
+
+@contextlib.asynccontextmanager
+async def lone_router_with_one_replica(url, model):
+    """A router alone on its Redis, with replica r0, quiet."""
+    async with running_router(make_config(url, model)) as app:
+        await wait_until(lambda: app.lease.alone)
+        reps = Replicas(app.address, app.limits.vocab_size)
+        rep = await reps.add("r0")
+        await quiet(app, rep)
+        yield app, rep
+        await reps.close()
 
 
 @contextlib.asynccontextmanager
@@ -66,8 +80,9 @@ async def round_trips_to_assignment(app, stub, rep, request_id: str) -> int:
 @pytest.mark.parametrize("take_at_arrival", [1, 0])
 def test_round_trips_before_the_assign(redis_url, tiny_model, arun, take_at_arrival):
     """Popped, a router-made id waits one round trip, a client's id two. Taken
-    at arrival, the Assign and the submit go out together (which is first back
-    is a race on loopback; the held submit below shows the order)."""
+    at arrival, a router-made id's Assign and its submit go out together (which
+    is first back is a race on loopback; the held submit below shows the
+    order), and a client's id's Assign follows its submit's reply: one."""
     async def scenario():
         # A quiet router (its own lease renewed every 5 s), and the least of five
         # tries: background writes can only add round trips.
@@ -81,7 +96,7 @@ def test_round_trips_before_the_assign(redis_url, tiny_model, arun, take_at_arri
                 made = [await round_trips_to_assignment(app, stub, rep, "") for _ in range(5)]
                 given = [await round_trips_to_assignment(app, stub, rep, f"c{i}") for i in range(5)]
             assert min(made) == 1, made
-            assert min(given) == 2, given
+            assert min(given) == (1 if take_at_arrival else 2), given
             await reps.close()
 
     arun(scenario())
@@ -116,13 +131,14 @@ def test_a_request_taken_at_arrival_runs_while_its_submit_is_held(proxy, direct,
     arun(scenario())
 
 
-@pytest.mark.parametrize("take_at_arrival", [1, 0])
-def test_a_router_made_id_whose_submit_times_out_is_withdrawn(proxy, tiny_model, arun,
-                                                              take_at_arrival):
+@pytest.mark.parametrize("take_at_arrival,request_id", [(1, ""), (0, ""), (1, "theirs")])
+def test_a_request_whose_submit_times_out_is_withdrawn(proxy, tiny_model, arun,
+                                                       take_at_arrival, request_id):
     """The submit ran in Redis, but its reply comes after the client was told
-    UNAVAILABLE: taken at arrival, the replica is told to cancel it; popped,
-    it is never assigned (the pop behind the submit ran too). Nothing of it is
-    left in Redis either way."""
+    UNAVAILABLE: a router-made id taken at arrival, the replica is told to
+    cancel it; popped, or a client's id held for the reply, it is never
+    assigned (the pop behind the submit ran too). Nothing of it is left in
+    Redis either way."""
     async def scenario():
         cfg = make_config(proxy.url, tiny_model, redis_timeout=0.3, submit_timeout=0.8,
                           take_at_arrival=take_at_arrival)
@@ -134,16 +150,17 @@ def test_a_router_made_id_whose_submit_times_out_is_withdrawn(proxy, tiny_model,
             async with client(app.address) as stub:
                 proxy.hold(SUBMIT)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    async for _ in stub.Generate(request([5], 4), timeout=10):
+                    async for _ in stub.Generate(request([5], 4, request_id=request_id), timeout=10):
                         pass
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
                 proxy.release()
                 await wait_until(lambda: not app.table.requests, timeout=10)   # abandon landed
-            if take_at_arrival:
+            if take_at_arrival and not request_id:
                 assert len(rep.rec.assignments) == 1
                 assert rep.rec.cancels == [rep.rec.assignments[0].request_id]
             else:
-                assert not rep.rec.assignments
+                assert not rep.rec.assignments and not rep.rec.cancels
+            await quiet(app, rep)   # the seat came back
             await reps.close()
             await assert_clean(app)
 
@@ -219,12 +236,8 @@ def test_the_arrivals_of_one_loop_turn_share_one_assign(redis_url, tiny_model, a
     burst read from one socket is) reach their replica as one Assign, as one
     pop's would; each is answered, and each is counted as taken at arrival."""
     async def scenario():
-        async with running_router(make_config(redis_url, tiny_model)) as app:
-            await wait_until(lambda: app.lease.alone)
+        async with lone_router_with_one_replica(redis_url, tiny_model) as (app, rep):
             vocab = app.limits.vocab_size
-            reps = Replicas(app.address, vocab)
-            rep = await reps.add("r0")
-            await quiet(app, rep)
             specs = [RequestSpec(prompt_token_ids=(i + 1, 2), sampling=Sampling(max_tokens=3))
                      for i in range(3)]
             requests = await asyncio.gather(*(app.admission.open(s) for s in specs))
@@ -234,6 +247,84 @@ def test_the_arrivals_of_one_loop_turn_share_one_assign(redis_url, tiny_model, a
             assert len(rep.rec.assignments) == 3 and rep.rec.assign_messages == 1
             assert app.metrics.registry.get_sample_value("quadriga_pull_picks_total",
                                                          {"reason": "arrival"}) == 3
-            await reps.close()
+
+    arun(scenario())
+
+
+def seats_of(app, rep) -> int:
+    return app.scheduler.credit_of(rep.knobs.replica_id).requests
+
+
+def test_a_client_id_taken_at_arrival_waits_for_its_submit(proxy, direct, tiny_model, arun):
+    """Redis holds the submit of a request with a client's id: it is taken at
+    arrival (its seat spent), but its replica hears nothing until the submit
+    is stored; then it runs, and Redis records it as a pop would have: leased
+    at its first assignment, never queued."""
+    async def scenario():
+        async with quiet_router_holding_submits(proxy, tiny_model) as (app, rep, stub):
+            seats = seats_of(app, rep)
+            call = asyncio.ensure_future(collect(stub, request([7, 8], 6, request_id="mine"), timeout=20))
+            await wait_until(lambda: app.table.get("mine") is not None)
+            await asyncio.sleep(0.3)
+            assert not rep.rec.assignments
+            assert app.table.get("mine").owner == "r0" and seats_of(app, rep) == seats - 1
+            proxy.release()
+            msgs = await call
+            assert tokens_of(msgs) == expected_tokens([7, 8], 6, app.limits.vocab_size)
+            await app.writer.drain(5)
+            rec = {k.decode(): v.decode() for k, v in direct.hgetall(app.store.req_key("mine")).items()}
+            assert (rec["st"], rec["n"], rec["q"], rec["rq"]) == ("f", "1", "", "0")
+            assert [a.request_id for a in rep.rec.assignments] == ["mine"] and not rep.rec.cancels
+            assert app.metrics.registry.get_sample_value("quadriga_pull_picks_total",
+                                                         {"reason": "arrival"}) == 1
+
+    arun(scenario())
+
+
+def test_a_held_arrival_cancelled_before_its_submit_lands_never_reaches_its_replica(
+        proxy, tiny_model, arun):
+    """Cancelled while its submit is held: no Assign and no Cancel reach the
+    replica, the seat comes back, and Redis ends the record the submit made."""
+    async def scenario():
+        async with quiet_router_holding_submits(proxy, tiny_model) as (app, rep, stub):
+            seats = seats_of(app, rep)
+            call = asyncio.ensure_future(collect(stub, request([5], 4, request_id="gone"), timeout=20))
+            await wait_until(lambda: app.table.get("gone") is not None)
+            reply = await stub.Cancel(gpb.CancelRequest(request_id="gone"))
+            assert reply.cancelled and seats_of(app, rep) == seats
+            proxy.release()
+            msgs = await call
+            assert msgs[-1].finish_reason == gpb.FINISH_REASON_CANCELLED
+            await wait_until(lambda: app.table.get("gone") is None)
+            assert not rep.rec.assignments and not rep.rec.cancels
+            assert seats_of(app, rep) == seats
+
+    arun(scenario())
+
+
+def test_a_held_arrival_whose_id_redis_holds_starts_nothing_new(redis_url, tiny_model, arun):
+    """A client's id Redis still holds (a finished request this router has
+    forgotten): taken at arrival, its submit is refused, so its replica never
+    hears of it and the seat comes back. The same body re-attaches to the
+    stored output; another body is refused. A request after them runs."""
+    async def scenario():
+        async with lone_router_with_one_replica(redis_url, tiny_model) as (app, rep):
+            vocab = app.limits.vocab_size
+            async with client(app.address) as stub:
+                first = await collect(stub, request([3, 4], 5, request_id="kept"))
+                assert tokens_of(first) == expected_tokens([3, 4], 5, vocab)
+                await wait_until(lambda: app.table.get("kept") is None)
+                await quiet(app, rep)
+                seats = seats_of(app, rep)
+                again = await collect(stub, request([3, 4], 5, request_id="kept"))
+                assert tokens_of(again) == tokens_of(first)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await collect(stub, request([9], 5, request_id="kept"))
+                assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+                assert [a.request_id for a in rep.rec.assignments] == ["kept"]
+                assert not rep.rec.cancels and seats_of(app, rep) == seats
+                after = await collect(stub, request([6], 3, request_id="after"))
+                assert tokens_of(after) == expected_tokens([6], 3, vocab)
+            await assert_clean(app)
 
     arun(scenario())

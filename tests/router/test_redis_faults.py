@@ -200,20 +200,32 @@ def test_cancel_while_a_step_write_is_held_leaks_no_key(proxy, tiny_model, arun)
     arun(scenario())
 
 
-def test_replica_leaving_while_a_submit_to_its_queue_is_in_flight(proxy, tiny_model, arun):
-    """round_robin binds a request to r0's queue; r0 goes away before the submit
-    is durable: the request still runs (on r1), not left in r0's queue."""
+@pytest.mark.parametrize("take_at_arrival", [0, 1])
+def test_replica_leaving_while_a_submit_to_its_queue_is_in_flight(proxy, tiny_model, arun,
+                                                                  take_at_arrival):
+    """round_robin binds a request to r0 (its queue; or, taken at arrival, r0
+    itself, the Assign held for the submit's reply); r0 goes away before the
+    submit is durable: the request still runs (on r1), not left with r0."""
     async def scenario():
-        cfg = make_config(proxy.url, tiny_model, policy="round_robin")
+        cfg = make_config(proxy.url, tiny_model, policy="round_robin",
+                          take_at_arrival=take_at_arrival)
         async with running_router(cfg) as app:
+            await wait_until(lambda: app.lease.alone)
             reps = Replicas(app.address, app.limits.vocab_size)
             await reps.add("r0")
             await reps.add("r1")
+            for name in ("r0", "r1"):
+                await wait_until(lambda: app.scheduler.credit_of(name).wants_work(0))
+            await asyncio.sleep(0.3)   # each replica's first pop (of its own queue) is back
             proxy.hold(SUBMIT)
             async with client(app.address) as stub:
                 t = asyncio.create_task(collect(stub, request([4], 5, request_id="s"), timeout=10))
                 await asyncio.to_thread(proxy.held.wait, 10)
-                assert app.table.requests["s"].queue == "r:r0"
+                held = app.table.requests["s"]
+                if take_at_arrival:
+                    assert (held.queue, held.owner) == ("", "r0")
+                else:
+                    assert held.queue == "r:r0"
                 await reps.kill("r0")
                 await wait_until(lambda: app.registry.get("r0") is None)
                 proxy.release()
