@@ -229,8 +229,9 @@ class RequestTable(CrossRouter):
             req.phase, req.queue = Phase.RUNNING, ""
             self._own(req, replica)
             req.assignments, req.requeues, req.preemption_base = 1, 0, 0
-            req.assigned_at = now
-            self.metrics.queue_wait.observe(0.0)
+            if not spec.request_id:   # a client's id: its Assign waits (held_assign_sent)
+                req.assigned_at = now
+                self.metrics.queue_wait.observe(0.0)
             lease_expiry = now + self.lease_ttl
         spec_json = spec.sampling.set_fields_json
         future = self.writer.call_timed(self.store.submit(
@@ -274,6 +275,12 @@ class RequestTable(CrossRouter):
         if req.phase is Phase.QUEUED:   # not one taken at arrival, or ended meanwhile
             self._poppable[req.queue] = self._poppable.get(req.queue, 0) + 1
             self.on_queued()
+
+    def held_assign_sent(self, req: RequestState) -> None:
+        """The held Assign of a client's id taken at arrival goes now (the
+        scheduler's send_held): its queue wait was its submit's round trip."""
+        req.assigned_at = time.time()
+        self.metrics.queue_wait.observe(req.assigned_at - req.arrival)
 
     def forget_unstored(self, req: RequestState) -> None:
         """Its submit found the id taken in Redis: this copy never existed.

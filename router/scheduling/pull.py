@@ -235,6 +235,7 @@ class PullScheduler:
             return   # released: cancelled meanwhile
         session, credit, tokens = held
         if req.phase is Phase.RUNNING and req.owner == session.id and not session.closed:
+            self.table.held_assign_sent(req)
             self._queue_arrival(session, req, queue)
         else:
             credit.refund(tokens)

@@ -271,6 +271,7 @@ def test_a_client_id_taken_at_arrival_waits_for_its_submit(proxy, direct, tiny_m
             proxy.release()
             msgs = await call
             assert tokens_of(msgs) == expected_tokens([7, 8], 6, app.limits.vocab_size)
+            assert msgs[-1].timings.queue_time_s >= 0.3   # it waited for its submit
             await app.writer.drain(5)
             rec = {k.decode(): v.decode() for k, v in direct.hgetall(app.store.req_key("mine")).items()}
             assert (rec["st"], rec["n"], rec["q"], rec["rq"]) == ("f", "1", "", "0")
