@@ -147,6 +147,7 @@ def test_a_request_whose_submit_times_out_is_withdrawn(proxy, tiny_model, arun,
             reps = Replicas(app.address, app.limits.vocab_size)
             rep = await reps.add("r0", hold_on_finish=True)
             await quiet(app, rep)
+            held = holds_of(app)
             async with client(app.address) as stub:
                 proxy.hold(SUBMIT)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -155,6 +156,7 @@ def test_a_request_whose_submit_times_out_is_withdrawn(proxy, tiny_model, arun,
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
                 proxy.release()
                 await wait_until(lambda: not app.table.requests, timeout=10)   # abandon landed
+            assert held == ([request_id] if take_at_arrival and request_id else [])
             if take_at_arrival and not request_id:
                 assert len(rep.rec.assignments) == 1
                 assert rep.rec.cancels == [rep.rec.assignments[0].request_id]
@@ -255,6 +257,19 @@ def seats_of(app, rep) -> int:
     return app.scheduler.credit_of(rep.knobs.replica_id).requests
 
 
+def holds_of(app) -> list[str]:
+    """The ids the scheduler holds at arrival from now on (so a test knows the
+    held path, not the popped one, is what it saw)."""
+    held, hold = [], app.scheduler.hold_at_arrival
+
+    def recorded(session, req):
+        held.append(req.id)
+        hold(session, req)
+
+    app.scheduler.hold_at_arrival = recorded
+    return held
+
+
 def test_a_client_id_taken_at_arrival_waits_for_its_submit(proxy, direct, tiny_model, arun):
     """Redis holds the submit of a request with a client's id: it is taken at
     arrival (its seat spent), but its replica hears nothing until the submit
@@ -291,6 +306,7 @@ def test_a_held_arrival_cancelled_before_its_submit_lands_never_reaches_its_repl
             seats = seats_of(app, rep)
             call = asyncio.ensure_future(collect(stub, request([5], 4, request_id="gone"), timeout=20))
             await wait_until(lambda: app.table.get("gone") is not None)
+            assert app.table.get("gone").owner == "r0" and seats_of(app, rep) == seats - 1
             reply = await stub.Cancel(gpb.CancelRequest(request_id="gone"))
             assert reply.cancelled and seats_of(app, rep) == seats
             proxy.release()
@@ -311,6 +327,7 @@ def test_a_held_arrival_whose_id_redis_holds_starts_nothing_new(redis_url, tiny_
     async def scenario():
         async with lone_router_with_one_replica(redis_url, tiny_model) as (app, rep):
             vocab = app.limits.vocab_size
+            held = holds_of(app)
             async with client(app.address) as stub:
                 first = await collect(stub, request([3, 4], 5, request_id="kept"))
                 assert tokens_of(first) == expected_tokens([3, 4], 5, vocab)
@@ -326,6 +343,7 @@ def test_a_held_arrival_whose_id_redis_holds_starts_nothing_new(redis_url, tiny_
                 assert not rep.rec.cancels and seats_of(app, rep) == seats
                 after = await collect(stub, request([6], 3, request_id="after"))
                 assert tokens_of(after) == expected_tokens([6], 3, vocab)
+            assert held == ["kept", "kept", "kept", "after"]   # each taken at arrival
             await assert_clean(app)
 
     arun(scenario())
