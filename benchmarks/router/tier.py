@@ -15,8 +15,8 @@ arrivals, FailoverStream over all routers, request i starting at router i mod N)
 Per router count, rates are offered in turn until one is not sustained (a
 request lost, a backlog left at the end, or p99 added TTFT over
 --added-limit-ms; tier_report.DEFINITIONS). Failover (--failover-routers N, default 4): N routers at
---failover-load of the highest rate N sustained (or --failover-rate); one
-router is SIGKILLed a third of the way in. Definitions are in the JSON.
+--failover-load of the highest rate N sustained (or --failover-rate), one run
+per share given; one router is SIGKILLed a third of the way in. Definitions are in the JSON.
 """
 
 from __future__ import annotations
@@ -168,12 +168,19 @@ class Tier:
         self.log.close()
 
 
+def ladder_rates(args, n: int) -> list[float]:
+    """The rates offered to n routers: --rates as given, or times n with
+    --rates-per-router, so every count climbs in the same relative steps."""
+    return [r * n for r in args.rates] if args.rates_per_router else list(args.rates)
+
+
 def ladder(args, work, model, n: int) -> dict:
     tier = Tier(args, work, model, n).start()
     rows = []
+    rates = ladder_rates(args, n)
     try:
-        tier.load(min(args.rates), 3.0, seed=999)   # warm-up: channels, first steps
-        for k, rate in enumerate(args.rates):
+        tier.load(min(rates), 3.0, seed=999)   # warm-up: channels, first steps
+        for k, rate in enumerate(rates):
             result = tier.load(rate, args.duration, seed=k + 1)
             row = rate_summary(result, args.added_limit_ms)
             row["cores_busy"] = cores = result["cores_busy"]
@@ -198,20 +205,20 @@ def ladder(args, work, model, n: int) -> dict:
                 added_ttft_p99_ms=best["added_ttft_p99_ms"] if best else None)
 
 
-def failover(args, work, model, rate: float) -> dict:
+def failover(args, work, model, rate: float, share: float | None = None, records: str | None = None) -> dict:
     n = args.failover_routers
     tier = Tier(args, work, model, n).start()
     try:
-        tier.load(min(args.rates), 3.0, seed=999)
+        tier.load(min(ladder_rates(args, n)), 3.0, seed=999)
         duration = args.failover_duration
         result = tier.load(rate, duration, seed=77, kill_at=duration / 3)
     finally:
         tier.stop()
     summary = failover_summary(result, args.window_s)
     summary.update(routers=n, replicas=args.replicas, offered_rps=rate, duration_s=duration,
-                   cores_busy=result["cores_busy"])
-    if args.records:   # every request, with its attempts (router index, start, end, status)
-        Path(args.records).write_text(json.dumps(dict(addresses=tier.addresses, **result)))
+                   share_of_sustained=share, cores_busy=result["cores_busy"])
+    if records:   # every request, with its attempts (router index, start, end, status)
+        Path(records).write_text(json.dumps(dict(addresses=tier.addresses, **result)))
     back = (f"p99 TTFT back to normal after {summary['recovery_s']} s"
             if summary["recovered_within_run"] else
             f"p99 TTFT not back to normal by the end of the run ({summary['recovery_s']} s after the kill)")
@@ -228,14 +235,17 @@ def parse_args(argv=None):
     p.add_argument("--profile", default="h200-8b")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--rates", type=float, nargs="+", default=[250, 500, 1000, 1500, 2000, 3000])
+    p.add_argument("--rates-per-router", action="store_true",
+                   help="--rates are per router: n routers are offered n times each")
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--stream-interval", type=int, default=1)
     p.add_argument("--clients", type=int, default=1, help="load generator processes")
     p.add_argument("--added-limit-ms", type=float, default=500.0)
     p.add_argument("--failover-routers", type=int, default=4, help="0: no failover run")
-    p.add_argument("--failover-load", type=float, default=0.7)
-    p.add_argument("--failover-rate", type=float, help="instead of --failover-load x sustained")
+    p.add_argument("--failover-load", type=float, nargs="+", default=[0.7],
+                   help="one failover run per share of what --failover-routers sustained")
+    p.add_argument("--failover-rate", type=float, nargs="+", help="instead of --failover-load x sustained")
     p.add_argument("--failover-duration", type=float, default=15.0)
     p.add_argument("--window-s", type=float, default=0.5, help="TTFT p99 windows (failover)")
     p.add_argument("--records", help="failover: the raw records (JSON) too")
@@ -258,12 +268,18 @@ def main(argv=None) -> int:
                   definitions=DEFINITIONS, settings={k: v for k, v in vars(args).items() if k != "out"},
                   tiers=tiers)
     if args.failover_routers:
-        rate = args.failover_rate
-        if rate is None:
+        runs_of = [(rate, None) for rate in args.failover_rate or ()]
+        if not runs_of:
             same = [t for t in tiers if t["routers"] == args.failover_routers]
             base = same[0]["sustained_offered_rps"] if same else max(t["sustained_offered_rps"] for t in tiers)
-            rate = args.failover_load * (base or min(args.rates))
-        result["failover"] = failover(args, work, model, rate)
+            base = base or min(ladder_rates(args, args.failover_routers))
+            runs_of = [(load * base, load) for load in args.failover_load]
+        runs = [failover(args, work, model, rate, share,
+                         records=args.records and (args.records if k == 0 else f"{args.records}.{k}"))
+                for k, (rate, share) in enumerate(runs_of)]
+        result["failover"] = runs[0]
+        if len(runs) > 1:   # "failover" keeps the first run, as with one
+            result["failover_runs"] = runs
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}; logs in {work}")
