@@ -112,12 +112,26 @@ class Tier:
         return dict(redis=of(self.redis.proc), routers=[of(p) for p in self.routers],
                     sims=[of(p) for p in self.sims])
 
+    _COUNTED = ("quadriga_messages_in_total", "quadriga_messages_out_total",
+                "quadriga_client_messages_total", "quadriga_redis_round_trips_total")
+
+    def _counts(self) -> list[dict | None]:
+        """Each live router's message and Redis round-trip totals (None: gone)."""
+        out = []
+        for proc, mport in zip(self.routers, self.metrics_ports):
+            try:
+                totals = scrape(mport) if proc.poll() is None else None
+            except OSError:
+                totals = None
+            out.append(None if totals is None else {k: totals.get(k, 0.0) for k in self._COUNTED})
+        return out
+
     def load(self, rate: float, duration: float, seed: int, kill_at: float | None = None) -> dict:
         """One open-loop run, split over --clients load generator processes;
         with kill_at, router 1 is SIGKILLed that many seconds in. Also the cores
         each server process kept busy meanwhile (cores_busy), so what binds shows."""
         a, k = self.args, self.args.clients
-        cpu_before, wall_before = self._cpu(), time.monotonic()
+        cpu_before, wall_before, counts_before = self._cpu(), time.monotonic(), self._counts()
         outs = [self.work / f"load-{seed}-{i}.json" for i in range(k)]
         gens = [subprocess.Popen(
             [sys.executable, "-m", "benchmarks.router.tier_load", "--routers", ",".join(self.addresses),
@@ -157,7 +171,23 @@ class Tier:
                      busiest_sim=max(after - before for before, after in
                                      zip(cpu_before["sims"], cpu_after["sims"])) / wall,
                      clients=[r["cpu_s"] / r["elapsed_s"] for r in runs])
-        return dict(offered_rps=rate, records=records, killed_at_s=killed, cores_busy=cores)
+        return dict(offered_rps=rate, records=records, killed_at_s=killed, cores_busy=cores,
+                    per_request=self._per_request(counts_before, len(records)))
+
+    def _per_request(self, before: list, requests: int) -> dict:
+        """Messages and Redis round trips a request over the routers that lived
+        through the run: what a router's time goes to (replica streams' steps
+        in, Assigns and Acks out, client stream messages)."""
+        sums = dict.fromkeys(self._COUNTED, 0.0)
+        for b, a in zip(before, self._counts()):
+            if b is not None and a is not None:
+                for k in sums:
+                    sums[k] += a[k] - b[k]
+        n = max(1, requests)
+        return dict(replica_messages_in=sums["quadriga_messages_in_total"] / n,
+                    replica_messages_out=sums["quadriga_messages_out_total"] / n,
+                    client_messages=sums["quadriga_client_messages_total"] / n,
+                    redis_round_trips=sums["quadriga_redis_round_trips_total"] / n)
 
     def stop(self) -> None:
         for proc in self.sims + self.routers:
@@ -184,13 +214,16 @@ def ladder(args, work, model, n: int) -> dict:
             result = tier.load(rate, args.duration, seed=k + 1)
             row = rate_summary(result, args.added_limit_ms)
             row["cores_busy"] = cores = result["cores_busy"]
+            row["per_request"] = result["per_request"]
             rows.append(row)
             print(f"{n} routers  offered {rate:6.0f}/s  completed {row['completed_rps']:7.1f}/s  "
                   f"lost {row['lost']}  ttft p50 {row['ttft_p50_ms']:7.1f} p99 {row['ttft_p99_ms']:7.1f} ms  "
                   f"added p50 {row['added_ttft_p50_ms']:6.1f} p99 {row['added_ttft_p99_ms']:7.1f} ms  "
                   f"cores: redis {cores['redis']:.2f}, busiest router "
                   f"{max(c for c in cores['routers'] if c is not None):.2f}, busiest sim process "
-                  f"{cores['busiest_sim']:.2f}, busiest load generator {max(cores['clients']):.2f}"
+                  f"{cores['busiest_sim']:.2f}, busiest load generator {max(cores['clients']):.2f}; "
+                  f"a request: {row['per_request']['replica_messages_in']:.1f} replica messages in, "
+                  f"{row['per_request']['client_messages']:.1f} client messages"
                   f"{'' if row['sustained'] else '  (not sustained)'}", flush=True)
             if not row["sustained"]:
                 break
@@ -216,7 +249,8 @@ def failover(args, work, model, rate: float, share: float | None = None, records
         tier.stop()
     summary = failover_summary(result, args.window_s)
     summary.update(routers=n, replicas=args.replicas, offered_rps=rate, duration_s=duration,
-                   share_of_sustained=share, cores_busy=result["cores_busy"])
+                   share_of_sustained=share, cores_busy=result["cores_busy"],
+                   per_request=result["per_request"])
     if records:   # every request, with its attempts (router index, start, end, status)
         Path(records).write_text(json.dumps(dict(addresses=tier.addresses, **result)))
     back = (f"p99 TTFT back to normal after {summary['recovery_s']} s"

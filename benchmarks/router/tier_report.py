@@ -23,6 +23,9 @@ DEFINITIONS = {
                   "own CPU over its run / its run's length. A process near 1.0 that cannot use "
                   "more binds the rate: a router or Redis is a finding, a simulator or load "
                   "generator is the benchmark's own limit (give it more processes)",
+    "per_request": "the live routers' totals over the run / requests sent: replica stream "
+                   "messages in (steps, pulls, heartbeats), messages out to replicas (Assigns, "
+                   "Acks, Cancels), client stream messages, and Redis round trips",
     "lost": "requests that did not finish with the exact simulated output (the rule of "
             "replica_worker/sim/runner.py)",
     "duplicated_tokens": "tokens a client stream delivered at an offset it already had",
