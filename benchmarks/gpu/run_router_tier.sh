@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu/run_router_tier.sh .carry $OUT
 # RATES="..." overrides the ladder of offered req/s (PER_ROUTER=1: per router, n routers offered
 # n times each); FAILOVER_S the failover run's length (15 s), FAILOVER_LOADS its shares of what
-# 4 sustained, one run each (0.7),
+# FAILOVER_ROUTERS sustained, one run each (0.7),
 # FAILOVER_ROUTERS=0 skips it; ROUTERS="1 4" the router counts (1 2 4); TIER_TIMEOUT the
 # benchmark's own limit (530 s); PER_PROCESS simulated replicas a process (8: 8 processes, so
 # no simulator process binds near 700 req/s); CLIENTS load generator processes (8).
