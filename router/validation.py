@@ -5,6 +5,7 @@ disturbed. The names in messages are the gRPC API's field names."""
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import grpc
@@ -16,6 +17,9 @@ MAX_STREAM_INTERVAL = 4096
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0           # OpenAI's range: [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 1024    # as the engine's bound (sampling_params.py)
+# top_k and priority travel as int32 (protos/quadriga/v1/generation.proto): a larger
+# value would fail only when the Assign is built, past admission.
+INT32_LIMIT = 2 ** 31
 
 
 class RouterError(Exception):
@@ -54,6 +58,8 @@ def check_request(req: RequestSpec, limits: ModelLimits) -> None:
     _check_ids("prompt_token_ids", req.prompt_token_ids, limits)
     if not 0 <= req.stream_interval <= MAX_STREAM_INTERVAL:
         raise invalid(f"stream_interval {req.stream_interval} is not in [0, {MAX_STREAM_INTERVAL}]")
+    if not -INT32_LIMIT <= req.priority < INT32_LIMIT:
+        raise invalid(f"priority {req.priority} must lie in [-2^31, 2^31)")
     check_sampling(req.sampling, limits)
 
 
@@ -63,10 +69,23 @@ def _check_ids(name: str, ids, limits: ModelLimits) -> None:
             raise invalid(f"{name}[{i}] = {tok} is not in the vocabulary [0, {limits.vocab_size})")
 
 
+def _wire_float(name: str, value: float) -> float:
+    """value as the wire's 32-bit float carries it: a value past its range would
+    reach the replica as infinity, and a tiny one as 0."""
+    try:
+        wire = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        wire = math.inf
+    if math.isfinite(value) and not math.isfinite(wire):
+        raise invalid(f"sampling.{name} {value} is too large for a 32-bit float")
+    return wire
+
+
 def _finite(name: str, value: float | None, lo: float, hi: float, lo_open: bool = False) -> None:
     if value is None:
         return
-    ok = math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
+    wire = _wire_float(name, value) if math.isfinite(value) else value
+    ok = math.isfinite(wire) and (wire > lo if lo_open else wire >= lo) and wire <= hi
     if not ok:
         bracket = "(" if lo_open else "["
         raise invalid(f"sampling.{name} {value} must lie in {bracket}{lo:g}, {hi:g}]")
@@ -76,21 +95,24 @@ def check_sampling(s: Sampling, limits: ModelLimits) -> None:
     if s.max_tokens is not None and s.max_tokens <= 0:
         raise invalid(f"sampling.max_tokens is {s.max_tokens}: ask for at least one token "
                       "(unset: up to the model limit)")
-    if s.temperature is not None and not (math.isfinite(s.temperature) and s.temperature >= 0):
+    if s.temperature is not None and not (math.isfinite(s.temperature) and s.temperature >= 0
+                                          and math.isfinite(_wire_float("temperature", s.temperature))):
         raise invalid(f"sampling.temperature {s.temperature} must be a finite number >= 0")
     _finite("top_p", s.top_p, 0.0, 1.0, lo_open=True)
-    if s.top_k is not None and s.top_k < -1:
-        raise invalid(f"sampling.top_k {s.top_k} must be -1 or 0 (disabled) or at least 1")
+    if s.top_k is not None and not -1 <= s.top_k < INT32_LIMIT:
+        raise invalid(f"sampling.top_k {s.top_k} must be -1 or 0 (disabled), or in [1, 2^31)")
     _finite("min_p", s.min_p, 0.0, 1.0)
     _finite("presence_penalty", s.presence_penalty, -2.0, 2.0)
     _finite("frequency_penalty", s.frequency_penalty, -2.0, 2.0)
-    if s.repetition_penalty is not None and not (math.isfinite(s.repetition_penalty)
-                                                 and s.repetition_penalty > 0):
+    if s.repetition_penalty is not None and not (
+            math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0
+            and _wire_float("repetition_penalty", s.repetition_penalty) > 0):
         raise invalid(f"sampling.repetition_penalty {s.repetition_penalty} must be a finite number > 0")
     if s.seed is not None and not 0 <= s.seed < 2 ** 64:
         raise invalid(f"sampling.seed {s.seed} must lie in [0, 2^64)")
-    if s.min_tokens is not None and s.min_tokens < 0:
-        raise invalid(f"sampling.min_tokens {s.min_tokens} must be >= 0")
+    if s.min_tokens is not None and not 0 <= s.min_tokens <= limits.max_model_len:
+        raise invalid(f"sampling.min_tokens {s.min_tokens} must lie in [0, {limits.max_model_len}] "
+                      "(the model's length)")
     if s.min_tokens and s.max_tokens is not None and s.min_tokens > s.max_tokens:
         raise invalid(f"sampling.min_tokens {s.min_tokens} is more than max_tokens {s.max_tokens}")
     if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
