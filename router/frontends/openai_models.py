@@ -8,7 +8,10 @@ them: ignoring them would return an answer the client did not ask for, and it
 could not tell. Extensions: top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, priority. Values are checked by the shared
 validation (router/validation.py), so both front doors say the same thing
-about the same mistake.
+about the same mistake. Fields the API allows to be null take their default
+when null. priority reads as in vLLM (lower is served first) and seed as a
+signed 64-bit integer too; the gRPC API's priority is the other way round
+(higher first) and its seed unsigned, so they are translated here.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from common.seeds import derived_seed
 from router.requests.spec import RequestSpec, Sampling, bias_pairs
@@ -33,9 +36,15 @@ MAX_N = 128
 WHOLE_ANSWER_STREAM_INTERVAL = MAX_STREAM_INTERVAL
 
 
+def _null_is_default(cls, value, info: ValidationInfo):
+    """A field the API allows to be null, sent as null, takes its default."""
+    return cls.model_fields[info.field_name].default if value is None else value
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    _nulls = field_validator("include_usage", mode="before")(classmethod(_null_is_default))
 
 
 class _Common(BaseModel):
@@ -66,10 +75,16 @@ class _Common(BaseModel):
     tool_choice: Any = None
     functions: list[Any] | None = None
 
+    _common_nulls = field_validator("n", "stream", "ignore_eos", "priority",
+                                    mode="before")(classmethod(_null_is_default))
+
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> Sampling:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        seed = self.seed
+        if seed is not None and -2 ** 63 <= seed < 0:
+            seed %= 2 ** 64   # a signed seed, as vLLM takes it, as the unsigned one the wire carries
         return Sampling(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                        top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+                        top_k=self.top_k, min_p=self.min_p, seed=seed,
                         ignore_eos=self.ignore_eos, stop=stop,
                         min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
                         frequency_penalty=self.frequency_penalty,
@@ -87,6 +102,8 @@ class _Common(BaseModel):
         temperature 0 is allowed (n identical greedy answers), as OpenAI allows it."""
         if not 1 <= self.n <= MAX_N:
             raise invalid(f"n {self.n} must lie in [1, {MAX_N}]")
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options is only allowed with stream: true")
         for field in self.refused_fields():
             raise invalid(f"{field} is not supported by this server")
 
@@ -113,6 +130,8 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    _completion_nulls = field_validator("echo", mode="before")(classmethod(_null_is_default))
 
     def refused_fields(self) -> list[str]:
         refused = super().refused_fields()
@@ -159,6 +178,8 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
 
+    _chat_nulls = field_validator("logprobs", mode="before")(classmethod(_null_is_default))
+
     def rendered_messages(self) -> list[dict]:
         if not self.messages:
             raise invalid("messages is empty: give at least one message")
@@ -174,7 +195,7 @@ class ChatCompletionRequest(_Common):
                         raise invalid(f"messages[{i}].content: only text parts are supported, "
                                       f"not {part.get('type')!r}")
                     texts.append(str(part.get("text", "")))
-                content = "".join(texts)
+                content = "\n".join(texts)   # as vLLM joins text parts
             out.append({**m.model_dump(exclude_none=True), "content": content or ""})
         return out
 
@@ -208,7 +229,8 @@ def _expand(body: _Common, prompts, sampling: Sampling, request_id: str) -> list
             rid = f"{request_id}-{index}" if request_id and many else request_id
             text, ids = (prompt, ()) if isinstance(prompt, str) else ("", prompt)
             specs.append(RequestSpec(request_id=rid, prompt=text, prompt_token_ids=ids,
-                                     sampling=s, priority=body.priority, stream_interval=interval))
+                                     sampling=s, priority=-body.priority,   # lower first, as vLLM
+                                     stream_interval=interval))
     return specs
 
 

@@ -71,7 +71,9 @@ class Logprobs:
             s = self.text(tok)
             tokens.append(s)
             lps.append(lp)
-            tops.append({self.text(t): v for t, v in top})
+            top_by_text = {self.text(t): v for t, v in top}
+            top_by_text.setdefault(s, lp)   # the sampled token always, as OpenAI and vLLM give it
+            tops.append(top_by_text)
             offsets.append(text_offset)
             text_offset += len(s)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

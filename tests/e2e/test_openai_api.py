@@ -212,6 +212,31 @@ def test_logprobs_against_transformers(stack, sdk, tiny_model, tok):
     assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
 
 
+def test_what_vllm_clients_send_is_read_as_vllm_reads_it(stack, sdk):
+    """Nulls for nullable fields, a signed seed, and a completion's top_logprobs
+    holding the sampled token even where it is not among the top k."""
+    body = {"model": model_name(stack), "prompt": [7, 8], "max_tokens": 2, "n": None,
+            "stream": None, "echo": None, "ignore_eos": None, "priority": None,
+            "stream_options": None, "logprobs": None}
+    r = httpx.post(base(stack) + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    chat = httpx.post(base(stack) + "/v1/chat/completions", timeout=60, json={
+        "model": model_name(stack), "max_tokens": 2, "logprobs": None, "n": None,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                  {"type": "text", "text": "b"}]}]})
+    assert chat.status_code == 200, chat.text
+
+    def sampled(seed):
+        return sdk.completions.create(model=model_name(stack), prompt=[7, 8, 9], max_tokens=8,
+                                      temperature=1.5, seed=seed, logprobs=1,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    a, b, c = sampled(-5), sampled(-5), sampled(2 ** 64 - 5)
+    assert a.text == b.text == c.text
+    lp = a.logprobs
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == logprob and len(top) <= 2
+
+
 def test_stop_strings_end_the_text(stack, sdk, tiny_model, tok):
     ids = [21, 22, 23]
     full = greedy_text(tiny_model, tok, ids, 16)
@@ -246,6 +271,13 @@ BAD = [
     ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias[5] = 101.0 must lie in [-100, 100]"),
     ({"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias token 99999 is not in the vocabulary"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    # past what the replica protocol carries: refused at admission, never a stuck request
+    ({"prompt": "x", "top_k": 2 ** 40}, 400, "top_k 1099511627776"),
+    ({"prompt": "x", "min_tokens": 2 ** 33}, 400, "min_tokens 8589934592"),
+    ({"prompt": "x", "priority": 2 ** 40}, 400, "priority"),
+    ({"prompt": "x", "temperature": 1e300}, 400, "too large for a 32-bit float"),
+    ({"prompt": "x", "seed": -2 ** 64}, 400, "seed"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options is only allowed"),
 ]
 
 
