@@ -130,7 +130,7 @@ class EngineCore:
             request_id, prompt_token_ids, params, arrival_time=arrival_time, resume_token_ids=resume
         )
         if self._texts is not None:
-            self._texts.add(request_id, seq.output_token_ids, params, resume_text_len)
+            self._texts.add(request_id, seq.output_token_ids, params, resume_text_len, prompt_token_ids)
         if params.uses_penalties:
             self._needs_resolved_tokens.add(request_id)
         self.scheduler.add_seq(seq)
@@ -299,7 +299,9 @@ class EngineCore:
         status = self._stop_status(seq, token)
         text = ""
         if self._texts is not None:
-            text, stop_string_hit = self._texts.step(seq.seq_id, len(seq.output_token_ids), final=status is not None)
+            text, stop_string_hit = self._texts.step(
+                seq.seq_id, len(seq.output_token_ids), final=status is not None,
+                stop_token=status is SequenceStatus.FINISHED_STOPPED)
             if stop_string_hit:
                 status = SequenceStatus.FINISHED_STOPPED
         delta = RequestDelta(seq.seq_id, [token], text, offset, stats=DeltaStats.of(seq, 1),

@@ -6,6 +6,12 @@ character (U+FFFD from a partial byte sequence) or could be the start of a
 stop string, so a delta never splits a character and a stop string is never
 half-sent. Joining every delta gives the decoded output (cut before a stop
 string when one matched).
+
+The window starts on the prompt's last tokens, as vLLM's detokenizer does: a
+tokenizer whose decoder drops a leading space at the start of a text (the
+Metaspace decoders of SentencePiece models: Llama 2, Mistral) then keeps the
+space of the first output token, so the output joins onto the prompt. A
+byte-level tokenizer decodes the same text either way.
 """
 
 from __future__ import annotations
@@ -38,27 +44,40 @@ class IncrementalDetokenizer:
         output_token_ids: list[int],
         stop: tuple[str, ...] = (),
         resume_text_len: int | None = None,
+        prompt_token_ids=(),
     ):
         """output_token_ids is the live list of the sequence's output tokens.
 
         Tokens already in it were resumed from another replica. resume_text_len
         is how many characters of their text were delivered; None means all
         of it up to the last complete character. Undelivered text is sent
-        with the first delta.
+        with the first delta. prompt_token_ids: the prompt, whose last tokens
+        are the window's context for the first output tokens.
         """
         self._to_text = ids_to_text(tokenizer)
         self._tokens = output_token_ids
         self._stop = stop
         self._max_stop_len = max((len(s) for s in stop), default=0)
-        self._read = len(output_token_ids)
+        # Positions count the context first: position i is self._context[i]
+        # below self._offset, else output token i - self._offset.
+        self._context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._offset = len(self._context)
+        context_text = self._decode(0, self._offset)
+        if context_text.endswith(_REPLACEMENT):
+            # The prompt ends inside a character that the output completes: no
+            # context, as it would take that character's first bytes from the output.
+            self._context, self._offset, context_text = [], 0, ""
+        self._read = self._offset + len(output_token_ids)
         self._prefix = max(0, self._read - _CONTEXT_TOKENS)
         # Never resume inside an incomplete character: step back over its tokens.
-        while self._read > self._prefix and self._decode(self._prefix, self._read).endswith(_REPLACEMENT):
+        while (self._read > max(self._prefix, self._offset)
+               and self._decode(self._prefix, self._read).endswith(_REPLACEMENT)):
             self._read -= 1
         self._held = ""  # decoded but not yet sent (possible stop-string prefix)
         sent = ""
-        if self._read and (stop or resume_text_len is not None):
-            decoded = self._decode(0, self._read)  # once per resumed request
+        if self._read > self._offset and (stop or resume_text_len is not None):
+            # once per resumed request
+            decoded = self._decode(0, self._read)[len(context_text):]
             if resume_text_len is not None:
                 sent, self._held = decoded[:resume_text_len], decoded[resume_text_len:]
             else:
@@ -67,33 +86,41 @@ class IncrementalDetokenizer:
         self._recent = sent[-self._max_stop_len:] if stop else ""
 
     def _decode(self, start: int, end: int) -> str:
+        """The text of positions [start, end) (context, then output)."""
         if start >= end:
             return ""
-        return self._to_text(self._tokens[start:end])
+        offset = self._offset
+        if start >= offset:
+            return self._to_text(self._tokens[start - offset:end - offset])
+        return self._to_text(self._context[start:end] + self._tokens[:max(0, end - offset)])
 
-    def _advance(self, final: bool) -> str:
-        """Newly completed text since the read position; moves the window."""
+    def _advance(self, final: bool, end: int) -> str:
+        """Newly completed text from the read position to `end`; moves the window."""
         prefix_text = self._decode(self._prefix, self._read)
-        full_text = self._decode(self._prefix, len(self._tokens))
+        full_text = self._decode(self._prefix, end)
         if len(full_text) <= len(prefix_text):
             return ""
         if full_text.endswith(_REPLACEMENT) and not final:
             return ""
         new_text = full_text[len(prefix_text):]
-        self._prefix = max(self._read, len(self._tokens) - _CONTEXT_TOKENS)
-        self._read = len(self._tokens)
+        self._prefix = max(self._read, end - _CONTEXT_TOKENS)
+        self._read = end
         return new_text
 
-    def step(self, final: bool = False, check_stop: bool = True) -> tuple[str, bool]:
+    def step(self, final: bool = False, check_stop: bool = True,
+             stop_token: bool = False) -> tuple[str, bool]:
         """Call after tokens were appended. Returns (text delta, stop string matched).
 
         With final=True everything decodable is released (the request ends).
-        After a stop-string match the delta ends just before the stop string
-        and the caller must finish the request. With check_stop=False (before
-        min_tokens) stop strings neither match nor hold text back; a later
-        step matches only a stop string that ends in its new text.
+        stop_token: the last token ended the request (EOS or a stop token id);
+        its text is left out, as vLLM leaves it out. After a stop-string match
+        the delta ends just before the stop string and the caller must finish
+        the request. With check_stop=False (before min_tokens) stop strings
+        neither match nor hold text back; a later step matches only a stop
+        string that ends in its new text.
         """
-        pending = self._held + self._advance(final)
+        end = self._offset + len(self._tokens) - (1 if final and stop_token else 0)
+        pending = self._held + self._advance(final, max(end, self._read))
         self._held = ""
         if not pending:
             return "", False

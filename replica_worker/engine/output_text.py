@@ -21,28 +21,34 @@ class OutputTexts:
         self._requests: dict[str, tuple[IncrementalDetokenizer, int, list[int]]] = {}
 
     def add(self, request_id: str, output_token_ids: list[int], params: SamplingParams,
-            resume_text_len: int | None = None) -> None:
+            resume_text_len: int | None = None, prompt_token_ids=()) -> None:
         """output_token_ids: the list the request's output tokens are appended to,
         by its Sequence or by extend(), holding the tokens resumed from another
-        replica, if any."""
-        detok = IncrementalDetokenizer(self._tokenizer, output_token_ids, params.stop, resume_text_len)
+        replica, if any. prompt_token_ids: the prompt, the context the first
+        output tokens are decoded in."""
+        detok = IncrementalDetokenizer(self._tokenizer, output_token_ids, params.stop, resume_text_len,
+                                       prompt_token_ids)
         self._requests[request_id] = (detok, params.min_tokens, output_token_ids)
 
-    def step(self, request_id: str, num_output_tokens: int, final: bool) -> tuple[str, bool]:
+    def step(self, request_id: str, num_output_tokens: int, final: bool,
+             stop_token: bool = False) -> tuple[str, bool]:
         """After a token was appended: (text delta, a stop string matched). final:
-        the request ends with this token, so everything decodable goes out."""
+        the request ends with this token, so everything decodable goes out;
+        stop_token: it ended because this token is EOS or a stop token id, whose
+        text is left out."""
         entry = self._requests.get(request_id)
         if entry is None:
             return "", False
         detok, min_tokens, _ = entry
         # Stop strings, like EOS, cannot end a request before min_tokens.
-        return detok.step(final=final, check_stop=num_output_tokens > min_tokens)
+        return detok.step(final=final, check_stop=num_output_tokens > min_tokens, stop_token=stop_token)
 
-    def extend(self, request_id: str, token_ids: list[int], final: bool) -> tuple[str, bool]:
+    def extend(self, request_id: str, token_ids: list[int], final: bool,
+               stop_token: bool = False) -> tuple[str, bool]:
         """Appends a delta's tokens to the request's list, then step()."""
         tokens = self._requests[request_id][2]
         tokens.extend(token_ids)
-        return self.step(request_id, len(tokens), final)
+        return self.step(request_id, len(tokens), final, stop_token)
 
     def retain(self, request_ids) -> None:
         """Forgets every request not in request_ids (those the caller dropped)."""

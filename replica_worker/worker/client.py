@@ -363,7 +363,7 @@ class ReplicaWorker:
                 continue
             if self.texts is not None:
                 self.texts.add(a.request_id, list(command.resume_token_ids), command.params,
-                               command.resume_text_len)
+                               command.resume_text_len, command.prompt_token_ids)
             self.engine_loop.submit(command)
         self.credit.on_assigned(len(assignments), tokens)
         if rejected:
@@ -444,7 +444,10 @@ class ReplicaWorker:
                     out.append(d)
                 continue  # ended here by a stop string, or dropped
             final = d.finish_reason is not None
-            d.text, stop_string_hit = texts.extend(d.request_id, d.new_token_ids, final)
+            # The engine ends a request "stop" only on a token (EOS, a stop id):
+            # stop strings are found here.
+            d.text, stop_string_hit = texts.extend(d.request_id, d.new_token_ids, final,
+                                                   stop_token=d.finish_reason == "stop")
             if stop_string_hit:
                 if not final:
                     self.engine_loop.submit(AbortRequest(d.request_id))

@@ -145,3 +145,66 @@ def test_transformers_decode_is_kept_where_it_would_clean_up_spaces(tokenizer):
     ids = tokenizer.encode("a , b", add_special_tokens=False)
     assert ids_to_text(Wrapped(clean_up=True))(ids) == "transformers"
     assert ids_to_text(Wrapped(clean_up=False))(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Metaspace, as Llama 2's and Mistral's):
+    its decoder drops the leading space at the start of a text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.train_from_iterator(["hello world the river mountain city"] * 50,
+                            trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "<s>", "</s>"],
+                                                show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def test_the_first_output_token_keeps_its_space_after_the_prompt(metaspace_tokenizer):
+    """As vLLM decodes it: the output's text is what decoding prompt and output
+    together adds to the prompt's text, so it joins onto the prompt."""
+    tok = metaspace_tokenizer
+    ids = tok.encode("hello world river", add_special_tokens=False)
+    prompt, output = ids[:1], ids[1:]
+    assert not tok.decode(output).startswith(" ")   # the decoder alone drops it
+    out: list[int] = []
+    detok = IncrementalDetokenizer(tok, out, prompt_token_ids=prompt)
+    text = ""
+    for i, token in enumerate(output):
+        out.append(token)
+        text += detok.step(final=i == len(output) - 1)[0]
+    assert text == " world river" == tok.decode(ids)[len(tok.decode(prompt)):]
+
+
+def test_a_resumed_request_sends_the_rest_of_the_same_text(metaspace_tokenizer):
+    tok = metaspace_tokenizer
+    ids = tok.encode("hello world river city", add_special_tokens=False)
+    prompt, output = ids[:1], ids[1:]
+    resume = 1
+    out = list(output[:resume])
+    sent = " world"[:3]                     # the first replica sent this much of it
+    detok = IncrementalDetokenizer(tok, out, resume_text_len=len(sent), prompt_token_ids=prompt)
+    text = sent
+    for i, token in enumerate(output[resume:], resume + 1):
+        out.append(token)
+        text += detok.step(final=i == len(output))[0]
+    assert text == " world river city"
+
+
+def test_a_stop_token_leaves_its_text_out(tokenizer):
+    """EOS or a stop token id ends the request; its text is not in the output
+    (vLLM's default), though its id is."""
+    ids = tokenizer.encode("the model token cache", add_special_tokens=False)
+    out: list[int] = []
+    detok = IncrementalDetokenizer(tokenizer, out)
+    text = ""
+    for i, token in enumerate(ids):
+        out.append(token)
+        last = i == len(ids) - 1
+        text += detok.step(final=last, stop_token=last)[0]
+    assert text == tokenizer.decode(ids[:-1])
+    assert text != tokenizer.decode(ids)

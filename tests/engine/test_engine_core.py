@@ -24,6 +24,9 @@ def test_stop_token_id_finishes_with_that_token(llm):
                                                    stop_token_ids=[stop_at]))[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == greedy.token_ids[: first + 1]
+    # The stop token's id is in the output, its text is not (vLLM's default).
+    tok = llm.tokenizer
+    assert out.text == tok.decode(out.token_ids[:-1], skip_special_tokens=True)
 
 
 def test_stop_string_truncates_text(llm):

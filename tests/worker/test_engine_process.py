@@ -154,6 +154,11 @@ def test_stop_strings_end_requests_in_the_worker_as_in_the_engine(redis_url, tin
     stops = [(text[8:11],) for text in full]  # each cuts its request short
     reference = llm.generate(PROMPTS, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, stop=s)
                                        for s in stops])
+    # A stop token id ends each request too; its text is left out, its id is not.
+    stop_ids = [o.outputs[0].token_ids[5] for o in llm.generate(
+        PROMPTS, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))]
+    by_id = llm.generate(PROMPTS, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                                                  stop_token_ids=[t]) for t in stop_ids])
 
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model)) as app:
@@ -166,13 +171,17 @@ def test_stop_strings_end_requests_in_the_worker_as_in_the_engine(redis_url, tin
                     prompt_token_ids=p, sampling=gpb.SamplingParams(
                         max_tokens=n, temperature=0.0, ignore_eos=True, stop=list(s))), timeout=60)
                     for p, s in zip(PROMPTS, stops)))
+                stopped_by_id = await asyncio.gather(*(collect(stub, gpb.GenerateRequest(
+                    prompt_token_ids=p, sampling=gpb.SamplingParams(
+                        max_tokens=n, temperature=0.0, ignore_eos=True, stop_token_ids=[t])), timeout=60)
+                    for p, t in zip(PROMPTS, stop_ids)))
             await wait_until(lambda: not worker.book.live)
             assert not list(worker.texts._requests)  # nothing left behind
             worker.begin_drain()
             await asyncio.wait_for(task, 30)
-            return greedy, stopped
+            return greedy, stopped, stopped_by_id
 
-    greedy, stopped = arun(scenario(), timeout=180)
+    greedy, stopped, stopped_by_id = arun(scenario(), timeout=180)
     assert [tokens_of(m) for m in greedy] == hf_greedy(str(tiny_model), PROMPTS, n)
     assert ["".join(m.text for m in msgs) for msgs in greedy] == full
     for msgs, ref in zip(stopped, reference):
@@ -180,6 +189,11 @@ def test_stop_strings_end_requests_in_the_worker_as_in_the_engine(redis_url, tin
         assert tokens_of(msgs) == out.token_ids and len(out.token_ids) < n
         assert "".join(m.text for m in msgs) == out.text
         assert msgs[-1].finish_reason == gpb.FINISH_REASON_STOP and out.finish_reason == "stop"
+    tok = llm.tokenizer
+    for msgs, ref in zip(stopped_by_id, by_id):
+        out = ref.outputs[0]
+        assert tokens_of(msgs) == out.token_ids and out.finish_reason == "stop"
+        assert "".join(m.text for m in msgs) == out.text == tok.decode(out.token_ids[:-1], skip_special_tokens=True)
 
 
 def wait_for(condition, timeout: float) -> None:
