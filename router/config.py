@@ -48,6 +48,9 @@ class RouterConfig:
     # (SHOW_OUTPUT below; docs/router.md, Request states).
     show_output: str = "first_and_finish"
     redis_max_in_flight: int = 1       # write batches sent before the first one's replies are back
+    # Milliseconds a batch of middle output only may wait for more deltas to join it
+    # (persistence/writer.py: linger); 0: each batch goes as soon as the window is free.
+    redis_step_linger_ms: float = 2.0
     # 1: a request that a pop would take at once is assigned as it arrives, its Assign
     # sent while its submit is on the way to Redis, or, for a client's id, once the
     # submit's reply says it was stored (scheduling/pull.py take_at_arrival);
@@ -109,6 +112,8 @@ class RouterConfig:
             problems.append("submit_timeout must be at least redis_timeout")
         if self.max_pending_submits < 1 or self.max_requeues < 1 or self.redis_max_in_flight < 1:
             problems.append("max_pending_submits, max_requeues and redis_max_in_flight must be at least 1")
+        if not 0 <= self.redis_step_linger_ms <= 100:
+            problems.append("redis_step_linger_ms must lie in [0, 100]")
         if self.tokenizer_threads < 1:
             problems.append("tokenizer_threads must be at least 1")
         if self.inline_tokenize_chars < 0:

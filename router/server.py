@@ -104,6 +104,7 @@ class RouterApp:
         self.writer = RedisWriter(self.store.lean, max_pending_submits=config.max_pending_submits,
                                   stall_after=config.stall_after,
                                   max_in_flight=config.redis_max_in_flight,
+                                  linger=config.redis_step_linger_ms / 1000,
                                   reply_timeout=config.submit_timeout, on_stall=self._on_stall)
         self.table = RequestTable(self.store, self.writer, self.metrics, lease_ttl=config.lease_ttl,
                                   max_requeues=config.max_requeues,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -62,7 +63,7 @@ class Tier:
                  self.redis.url, "--model", str(self.model), "--metrics-port", str(mport),
                  "--heartbeat-interval", "0.5", "--lease-ttl", "10",
                  "--queue-limit", "100000", "--log-level", "WARNING"],
-                cwd=a.router_tree or ROOT))
+                cwd=a.router_tree or ROOT, env=dict(os.environ, **router_env(a))))
         processes = max(1, a.replicas // a.per_process)
         for i in range(processes):
             order = self.addresses[i % self.n:] + self.addresses[:i % self.n]
@@ -78,9 +79,9 @@ class Tier:
             warm_up(address)
         return self
 
-    def _spawn(self, argv: list[str], cwd: Path = ROOT) -> subprocess.Popen:
+    def _spawn(self, argv: list[str], cwd: Path = ROOT, env: dict | None = None) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, *argv], cwd=cwd, stdout=self.log,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, env=env)
 
     def replicas_connected(self) -> int:
         total = 0
@@ -198,6 +199,11 @@ class Tier:
         self.log.close()
 
 
+def router_env(args) -> dict:
+    """--router-env KEY=VALUE settings, as the routers' environment adds them."""
+    return dict(kv.split("=", 1) for kv in (getattr(args, "router_env", None) or []))
+
+
 def ladder_rates(args, n: int) -> list[float]:
     """The rates offered to n routers: --rates as given, or times n with
     --rates-per-router, so every count climbs in the same relative steps."""
@@ -283,6 +289,8 @@ def parse_args(argv=None):
     p.add_argument("--failover-duration", type=float, default=15.0)
     p.add_argument("--window-s", type=float, default=0.5, help="TTFT p99 windows (failover)")
     p.add_argument("--records", help="failover: the raw records (JSON) too")
+    p.add_argument("--router-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="added to the routers' environment (e.g. QUADRIGA_ROUTER_REDIS_STEP_LINGER_MS=2)")
     p.add_argument("--router-tree", help="run the routers of this tree (a checkout or `git archive` "
                                          "of another commit); the rest from this one")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/router_tier.json"))

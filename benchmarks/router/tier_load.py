@@ -38,12 +38,18 @@ async def one(routers, index, prompt, args, channels, health, start, out):
                             retry_delay=0.05)
     sent = time.perf_counter()
     rec = dict(i=index, sent=sent - start, ttft=None, end=None, tokens=0, exact=False,
-               duplicated=0, broken=[], error="")
+               duplicated=0, broken=[], error="", gaps_ms=[])
     tokens = []
+    last = None
     try:
         async for msg in stream:
-            if rec["ttft"] is None and msg.token_ids:
-                rec["ttft"] = time.perf_counter() - sent
+            if msg.token_ids:
+                now = time.perf_counter()
+                if last is None:
+                    rec["ttft"] = now - sent
+                else:   # between messages with tokens: the TBT a client sees
+                    rec["gaps_ms"].append(round(1000 * (now - last), 3))
+                last = now
             if msg.output_offset != len(tokens):
                 rec["duplicated"] += max(0, len(tokens) - msg.output_offset)
             tokens.extend(msg.token_ids)

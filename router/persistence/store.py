@@ -239,12 +239,17 @@ class Store:
         """deltas: one tuple each, lua.STEP's plain form (6 fields) or its full
         form (17); reply: per delta 1 written, 0 dropped, 2 a hole (lua.STEP)."""
         args: list = []
+        plain = True
         for d in deltas:
             assert len(d) in (lua.STEP_PLAIN_ARGS, lua.STEP_FULL_ARGS), len(d)
-            args.append("p" if len(d) == lua.STEP_PLAIN_ARGS else "f")
+            is_plain = len(d) == lua.STEP_PLAIN_ARGS
+            plain = plain and is_plain
+            args.append("p" if is_plain else "f")
             args.extend(d)
+        # Only middle output may wait for a fuller batch (writer.py: linger): a
+        # first token, a finish or logprobs go in the full form and at once.
         return Write(self._step, (self.prefix, self.ttl), args, item_count=len(deltas),
-                     reply_arity=1)
+                     reply_arity=1, lingers=plain)
 
     def requeue(self, items: list) -> Write:
         """items: (id, queue, expected owner, expected assignment count, requeues) flattened."""

@@ -23,6 +23,14 @@ Failure model:
   pending submits, or while Redis has not answered for a whole deadline.
 - an error reply that no retry can fix (a script bug) fails that one write,
   loudly, and the rest of the batch goes on.
+- a batch of middle output only (lua.STEP's plain deltas: no first token, no
+  finish, no submit or pop) may wait up to `linger` seconds, counted from its
+  oldest write, for more to join it, unless `linger_items` deltas are waiting
+  (`--redis-step-linger-ms`). Redis's CPU a delta falls with the deltas a call
+  carries, and with several routers on one Redis each router's own batches
+  shrink (benchmarks/router/NOTES.md); what waits is only what a client sees
+  after it is durable (the first token and the finish are shown at once),
+  and any other write sends the whole batch at once.
 - `stalled` is set while a batch has waited longer than `stall_after`; the
   router then serves clients from memory (the replicas keep every delta the
   router has not acknowledged, so nothing shown is lost if the router dies).
@@ -67,6 +75,7 @@ class Write:
     numkeys: int = 0
     on_done: Callable[[object], None] | None = None
     bounded: bool = False            # counts against the pending-submit bound
+    lingers: bool = False            # may wait for a fuller batch (middle output only)
     future: asyncio.Future | None = field(default=None, repr=False)
 
     @property
@@ -86,8 +95,11 @@ class PermanentWriteError(RuntimeError):
 class RedisWriter:
     def __init__(self, client: LeanRedis, *, max_pending_submits: int, stall_after: float,
                  max_batch: int = 512, max_in_flight: int = 1, reply_timeout: float = 5.0,
+                 linger: float = 0.0, linger_items: int = 64,
                  on_stall: Callable[[bool], None] | None = None):
         self.client = client
+        self.linger = linger
+        self.linger_items = linger_items
         self.reply_timeout = reply_timeout
         self.max_in_flight = max_in_flight
         self.max_pending_submits = max_pending_submits
@@ -115,6 +127,12 @@ class RedisWriter:
         # timeout for all, so the oldest expires first and one timer suffices.
         self._timed: collections.deque[tuple[float, asyncio.Future]] = collections.deque()
         self._timed_timer: asyncio.TimerHandle | None = None
+        # The unsent writes as lingering sees them: since when the oldest waits,
+        # how many deltas they carry, and whether one of them may not wait.
+        self._unsent_since: float | None = None
+        self._unsent_items = 0
+        self._unsent_urgent = False
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     # ---- queueing ----
     def start(self) -> None:
@@ -130,6 +148,11 @@ class RedisWriter:
         self._pending.append(write)
         if write.bounded:
             self._pending_submits += 1
+        if self.linger:
+            if self._unsent_since is None:
+                self._unsent_since = time.monotonic()
+            self._unsent_items += write.count
+            self._unsent_urgent = self._unsent_urgent or not write.lingers
         self._idle.clear()
         if len(self._flights) < self.max_in_flight:
             # Otherwise the window is full and the flush loop sleeps until a
@@ -196,9 +219,10 @@ class RedisWriter:
             return False
 
     async def stop(self) -> None:
-        if self._timed_timer is not None:
-            self._timed_timer.cancel()
-            self._timed_timer = None
+        for timer in (self._timed_timer, self._linger_timer):
+            if timer is not None:
+                timer.cancel()
+        self._timed_timer = self._linger_timer = None
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -209,6 +233,10 @@ class RedisWriter:
         backoff = 0.05
         while not self.fenced:
             if self._unsent_from < len(self._pending) and len(self._flights) < self.max_in_flight:
+                if self.linger and self._lingering():
+                    self._wake.clear()
+                    await self._wake.wait()   # a write that ends the wait, or its timer
+                    continue
                 await self._start_next()
                 continue
             if not self._flights:
@@ -242,6 +270,23 @@ class RedisWriter:
             self._settle_stall(time.monotonic() - flight.started)
             self._complete(flight.batch, replies)
 
+    def _lingering(self) -> bool:
+        """Whether the unsent writes wait for more to join them: all may wait,
+        they carry fewer than linger_items deltas, and the oldest has waited
+        less than linger. The timer that ends the wait is armed here."""
+        if self._unsent_urgent or self._unsent_items >= self.linger_items:
+            return False
+        left = self._unsent_since + self.linger - time.monotonic()
+        if left <= 0:
+            return False
+        if self._linger_timer is None:
+            self._linger_timer = asyncio.get_running_loop().call_later(left, self._linger_over)
+        return True
+
+    def _linger_over(self) -> None:
+        self._linger_timer = None
+        self._wake.set()
+
     async def _start_next(self) -> None:
         """Sends the next batch of unsent writes, without waiting for its replies."""
         # One turn of the loop first: what the tasks woken with this one write
@@ -253,6 +298,11 @@ class RedisWriter:
         first = self._unsent_from
         batch = [self._pending[i] for i in range(first, min(len(self._pending), first + self.max_batch))]
         self._unsent_from += len(batch)
+        if self.linger:
+            if self._unsent_from == len(self._pending):
+                self._unsent_since, self._unsent_items, self._unsent_urgent = None, 0, False
+            else:
+                self._unsent_urgent = True   # past max_batch: the rest goes next, at once
         flight = _Flight(batch, time.monotonic())
         self._flights.append(flight)
         self._arm_stall_timer()
@@ -275,6 +325,9 @@ class RedisWriter:
         in order, after a backoff (the scripts are idempotent). True when fenced."""
         self._flights.clear()
         self._unsent_from = 0
+        self._unsent_urgent = True   # sent again at once; counting restarts with the next batch
+        if self._unsent_since is None:
+            self._unsent_since = time.monotonic()
         if isinstance(exc, _Fenced):
             self._fail_all(PermanentWriteError(str(exc)))
             self.fenced = True
