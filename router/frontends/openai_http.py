@@ -303,7 +303,12 @@ class OpenAIFrontend:
                                model=self.config.served_model_name, created=int(time.time()),
                                chat=chat, n=body.n, include_usage=body.include_usage)
         headers = {"X-Request-Id": call_id}
-        tokenizer = await self.admission.tokenizer() if specs[0].sampling.logprobs is not None else None
+        try:
+            tokenizer = await self.admission.tokenizer() if specs[0].sampling.logprobs is not None else None
+        except BaseException:   # admitted, but no stream will ever follow them: end them here
+            for r in reqs:
+                self.table.cancel(r.id, "call_refused")
+            raise
         if body.stream:
             return StreamingResponse(self._stream(reqs, meta, tokenizer), headers=headers,
                                      media_type="text/event-stream")

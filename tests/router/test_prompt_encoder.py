@@ -74,3 +74,32 @@ def test_the_openai_door_loads_the_chat_template_at_start(redis_url, tiny_model,
                 assert tokenizer.chat_template
 
     arun(scenario(), timeout=90)
+
+
+def test_a_call_whose_tokenizer_fails_after_admission_leaves_no_request_behind(redis_url, tiny_model, arun):
+    """Logprobs need transformers' tokenizer after the call's requests are admitted:
+    if it fails, the call is answered with the error and its requests are cancelled,
+    not left running with no client."""
+    import grpc
+    import httpx
+
+    from router.validation import RouterError
+
+    async def scenario():
+        port = free_port()
+        async with running_router(make_config(redis_url, tiny_model, http_port=port)) as app:
+            reps = Replicas(app.address, app.limits.vocab_size)
+            await reps.add("r0", hold_on_finish=True)   # the requests would run on and on
+
+            async def broken():
+                raise RouterError(grpc.StatusCode.INTERNAL, "tokenizer failed to load", "tokenizer")
+            app.admission.tokenizer = broken
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+                r = await http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 4,
+                                                              "logprobs": 1, "n": 2})
+            assert r.status_code == 500 and "tokenizer failed" in r.json()["error"]["message"], r.text
+            assert len(reps["r0"].rec.assignments) == 2   # both were admitted and running
+            assert not [req for req in app.table.requests.values() if req.live]
+            await reps.close()
+
+    arun(scenario(), timeout=90)
