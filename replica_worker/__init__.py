@@ -1,6 +1,6 @@
 """Replica worker: the Sarathi-Serve engine core and its gRPC client to the router."""
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "Logprob", "SamplingParams"]
 
 
 def __getattr__(name):
@@ -9,6 +9,10 @@ def __getattr__(name):
         from replica_worker.engine.llm import LLM
 
         return LLM
+    if name == "Logprob":
+        from replica_worker.engine.outputs import Logprob
+
+        return Logprob
     if name == "SamplingParams":
         from replica_worker.engine.sampling_params import SamplingParams
 

@@ -15,25 +15,32 @@ from typing import Sequence as Seq
 from common.tokenizer import encode_prompt, load_tokenizer
 from replica_worker.engine.config import engine_config
 from replica_worker.engine.core import EngineCore
-from replica_worker.engine.outputs import CompletionOutput, RequestDelta, RequestMetrics, RequestOutput
+from replica_worker.engine.detokenizer import ids_to_text
+from replica_worker.engine.outputs import (CompletionOutput, Logprob, RequestDelta, RequestMetrics,
+                                          RequestOutput)
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.sequence import Sequence
 
 class _Completion:
     """What the deltas of one completion add up to."""
 
-    def __init__(self, index: int, seq: Sequence, with_logprobs: bool) -> None:
+    def __init__(self, index: int, seq: Sequence, with_logprobs: bool, token_text=None) -> None:
         self.index, self.seq = index, seq
         self.texts: list[str] = []
-        self.logprobs: list[dict[int, float]] | None = [] if with_logprobs else None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if with_logprobs else None
+        self.token_text = token_text or (lambda _token: None)
         self.cumulative = 0.0
         self.finish_reason: str | None = None
 
     def add(self, delta: RequestDelta) -> None:
         self.texts.append(delta.text)
         if self.logprobs is not None and delta.logprobs:
+            text = self.token_text
             for token, lp in zip(delta.new_token_ids, delta.logprobs):
-                self.logprobs.append({token: lp.logprob, **dict(lp.top)})
+                entry = {token: Logprob(lp.logprob, lp.rank, text(token))}
+                for place, (top, value) in enumerate(lp.top, 1):
+                    entry.setdefault(top, Logprob(value, place, text(top)))
+                self.logprobs.append(entry)
                 self.cumulative += lp.logprob
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason
@@ -61,6 +68,7 @@ class LLM:
             self.tokenizer = None  # dummy weights without a tokenizer: token ids only
         self.engine = EngineCore(self.config, self.tokenizer)
         self._ids = itertools.count()
+        self._decode_one = None
 
     def shutdown(self) -> None:
         """Stops the engine's other tensor-parallel ranks (a no-op with one rank)."""
@@ -70,6 +78,14 @@ class LLM:
         if isinstance(prompt, str):
             return encode_prompt(self._need_tokenizer(), prompt)
         return [int(t) for t in prompt]
+
+    def _token_text(self, token: int) -> str | None:
+        """A token's text alone (Logprob.decoded_token); None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        if self._decode_one is None:
+            self._decode_one = ids_to_text(self.tokenizer)
+        return self._decode_one([token])
 
     def _need_tokenizer(self):
         if self.tokenizer is None:
@@ -119,7 +135,7 @@ class LLM:
                 seq_ids = [rid] if p.n == 1 else [f"{rid}-{i}" for i in range(p.n)]
                 for i, sid in enumerate(seq_ids):
                     seq = self.engine.add_request(sid, ids, p.for_completion(i))
-                    completions[sid] = _Completion(i, seq, p.logprobs is not None)
+                    completions[sid] = _Completion(i, seq, p.logprobs is not None, self._token_text)
                 requests.append((rid, text, ids, seq_ids))
             while self.engine.has_unfinished():
                 for delta in self.engine.step().deltas:

@@ -12,11 +12,26 @@ class TokenLogprobs(NamedTuple):
     """One output token's logprob and the k most likely tokens' (token id, logprob), best first.
 
     From the model's raw distribution: log_softmax of the logits before
-    penalties, temperature or any cut-off.
+    penalties, temperature or any cut-off. rank: the sampled token's place in
+    that distribution (1: the most likely; tokens tied with it share its rank),
+    where the sampler computed it (None where it crossed a process boundary
+    that does not carry it).
     """
 
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's entry in CompletionOutput.logprobs, as vLLM's Logprob: its
+    logprob, its rank in the distribution (1: the most likely) and its text
+    alone (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,9 +125,9 @@ class CompletionOutput:
     """One of a request's n completions, as LLM.generate returns it (vLLM's shape).
 
     logprobs: None unless the request asked for them; else one dict per
-    output token, {token id: logprob}, holding the sampled token and the k
-    most likely (k or k + 1 entries). cumulative_logprob: the sum of the
-    sampled tokens' logprobs, None without logprobs. metrics: this
+    output token, {token id: Logprob}, holding the sampled token and the k
+    most likely (k or k + 1 entries), as vLLM's. cumulative_logprob: the sum
+    of the sampled tokens' logprobs, None without logprobs. metrics: this
     completion's own timings.
     """
 
@@ -120,7 +135,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
     metrics: RequestMetrics | None = None
 

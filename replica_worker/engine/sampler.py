@@ -72,7 +72,7 @@ class SamplerOutput:
 class SampledBatch:
     """A step's sampled tokens (and logprobs), still on the device."""
 
-    packed: torch.Tensor  # [S] token ids; with logprobs int32, followed by [L, 1 + 2K] per logprob row
+    packed: torch.Tensor  # [S] token ids; with logprobs int32, followed by [L, 2 + 2K] per logprob row
     num_rows: int
     logprob_rows: np.ndarray  # rows that asked for logprobs, in order
     logprob_k: np.ndarray  # each such row's k
@@ -105,14 +105,16 @@ class SampledBatch:
         ids = flat[: self.num_rows].tolist()
         if not len(self.logprob_rows):
             return SamplerOutput(ids)
-        table = flat[self.num_rows:].reshape(len(self.logprob_rows), 1 + 2 * self.width)
+        # A row: the sampled token's logprob (float32 bits), its rank, then K ids and K logprobs.
+        table = flat[self.num_rows:].reshape(len(self.logprob_rows), 2 + 2 * self.width)
         chosen = table[:, 0].view(np.float32).tolist()
-        top_ids = table[:, 1: 1 + self.width].tolist()
-        top_lps = table[:, 1 + self.width:].view(np.float32).tolist()
+        ranks = table[:, 1].tolist()
+        top_ids = table[:, 2: 2 + self.width].tolist()
+        top_lps = table[:, 2 + self.width:].view(np.float32).tolist()
         logprobs: list[TokenLogprobs | None] = [None] * self.num_rows
         for j, row in enumerate(self.logprob_rows.tolist()):
             k = int(self.logprob_k[j])
-            logprobs[row] = TokenLogprobs(chosen[j], tuple(zip(top_ids[j][:k], top_lps[j][:k])))
+            logprobs[row] = TokenLogprobs(chosen[j], tuple(zip(top_ids[j][:k], top_lps[j][:k])), ranks[j])
         return SamplerOutput(ids, logprobs)
 
 
@@ -207,8 +209,8 @@ class Sampler:
         if raw is None:
             return SampledBatch(ids, len(plan.greedy), plan.logprob_rows, plan.logprob_k, 0)
         width = plan.logprob_width
-        chosen, top_ids, top_lps = token_logprobs(raw, ids[dev["logprob_rows"]], width)
-        table = [chosen[:, None].view(torch.int32)]
+        chosen, rank, top_ids, top_lps = token_logprobs(raw, ids[dev["logprob_rows"]], width)
+        table = [chosen[:, None].view(torch.int32), rank[:, None].to(torch.int32)]
         if width:
             table += [top_ids.to(torch.int32), top_lps.view(torch.int32)]
         packed = torch.cat([ids.to(torch.int32), torch.cat(table, dim=1).reshape(-1)])

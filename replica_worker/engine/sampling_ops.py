@@ -98,11 +98,14 @@ def sample_inverse_cdf(logits: torch.Tensor, cutoff: torch.Tensor | None, unifor
 
 def token_logprobs(
     raw_logits: torch.Tensor, sampled: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """log_softmax of the raw logits at the sampled tokens [L], and the top k (ids, logprobs) [L, k]."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """log_softmax of the raw logits at the sampled tokens [L], their ranks [L] (1 + the
+    tokens more likely), and the top k (ids, logprobs) [L, k]."""
     norm = raw_logits.logsumexp(dim=-1, keepdim=True)
-    chosen = raw_logits.gather(1, sampled[:, None]) - norm
+    sampled_logits = raw_logits.gather(1, sampled[:, None])
+    chosen = sampled_logits - norm
+    rank = (raw_logits > sampled_logits).sum(dim=-1) + 1
     if k == 0:
-        return chosen[:, 0], None, None
+        return chosen[:, 0], rank, None, None
     top_values, top_ids = raw_logits.topk(k, dim=-1)
-    return chosen[:, 0], top_ids, top_values - norm
+    return chosen[:, 0], rank, top_ids, top_values - norm

@@ -48,8 +48,11 @@ def test_request_output_shape(llm):
         assert len(c.logprobs) == 5
         for token, entry in zip(c.token_ids, c.logprobs):
             assert token in entry and len(entry) in (2, 3)
-            assert max(entry.values()) == entry[token]  # greedy: the sampled token is the most likely
-        assert c.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(c.token_ids, c.logprobs)))
+            # greedy: the sampled token is the most likely, rank 1 (vLLM's Logprob shape)
+            assert max(e.logprob for e in entry.values()) == entry[token].logprob
+            assert entry[token].rank == 1 and sorted(e.rank for e in entry.values()) == [1, 2]
+            assert entry[token].decoded_token == llm.tokenizer.decode([token])
+        assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
         assert out.metrics is c.metrics and c.metrics.time_to_first_token is not None
     plain = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0].outputs[0]
     assert plain.logprobs is None and plain.cumulative_logprob is None

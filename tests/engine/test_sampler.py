@@ -198,6 +198,7 @@ def test_logprobs_are_of_the_raw_distribution():
         lp = out.logprobs[row]
         token = out.token_ids[row]
         assert lp.logprob == pytest.approx(reference[row, token].item(), abs=1e-5)
+        assert lp.rank == int((reference[row] > reference[row, token]).sum()) + 1
         top = reference[row].topk(k) if k else None
         assert [t for t, _ in lp.top] == ([] if top is None else top.indices.tolist())
         if k:
