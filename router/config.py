@@ -28,6 +28,9 @@ class RouterConfig:
     http_port: int = 0                 # OpenAI-compatible HTTP API; 0: off
     http_host: str = ""                # empty: the gRPC host
     http_max_body_mib: float = 64.0    # larger request bodies get 413, unread
+    # auto: sampling fields an HTTP request leaves unset take the model's
+    # generation_config.json values, as vLLM's OpenAI server does; none: OpenAI's defaults.
+    generation_config: str = "auto"
     queue_limit: int = 10_000          # queued (not yet assigned) requests
     no_replica_timeout: float = 30.0   # seconds a request waits for a first replica
     lease_ttl: float = 10.0
@@ -94,6 +97,8 @@ class RouterConfig:
             problems.append(f"policy: {self.policy!r} is not one of {sorted(POLICIES)}")
         if self.take_at_arrival not in (0, 1):
             problems.append(f"take_at_arrival: {self.take_at_arrival} is not 0 or 1")
+        if self.generation_config not in ("auto", "none"):
+            problems.append(f"generation_config: {self.generation_config!r} is not 'auto' or 'none'")
         if self.show_output not in SHOW_OUTPUT:
             problems.append(f"show_output: {self.show_output!r} is not one of {SHOW_OUTPUT}")
         if self.queue_limit < 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence as Seq
 
+from common.generation_config import sampling_defaults
 from common.tokenizer import encode_prompt, load_tokenizer
 from replica_worker.engine.config import engine_config
 from replica_worker.engine.core import EngineCore
@@ -69,6 +70,13 @@ class LLM:
         self.engine = EngineCore(self.config, self.tokenizer)
         self._ids = itertools.count()
         self._decode_one = None
+        self._sampling_defaults = sampling_defaults(model)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use when given no SamplingParams: the model's
+        generation_config.json sampling values (temperature, top_p, top_k, min_p,
+        repetition_penalty) over SamplingParams' own defaults, as vLLM's LLM does."""
+        return SamplingParams(**self._sampling_defaults)
 
     def shutdown(self) -> None:
         """Stops the engine's other tensor-parallel ranks (a no-op with one rank)."""
@@ -104,7 +112,8 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         items = [(p if isinstance(p, str) else None, self._encode(p)) for p in prompts]
-        return self._run(items, _params_per_prompt(sampling_params, len(items)))
+        return self._run(items, _params_per_prompt(sampling_params or self.get_default_sampling_params(),
+                                                   len(items)))
 
     def chat(
         self,
@@ -125,7 +134,8 @@ class LLM:
         for conversation in conversations:
             text = tokenizer.apply_chat_template(list(conversation), tokenize=False, add_generation_prompt=True)
             items.append((text, tokenizer.encode(text, add_special_tokens=False)))
-        return self._run(items, _params_per_prompt(sampling_params, len(items)))
+        return self._run(items, _params_per_prompt(sampling_params or self.get_default_sampling_params(),
+                                                   len(items)))
 
     def _run(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams]) -> list[RequestOutput]:
         requests, completions = [], {}
@@ -152,8 +162,7 @@ class LLM:
         return results
 
 
-def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
-    params = sampling_params or SamplingParams()
+def _params_per_prompt(params, count: int) -> list[SamplingParams]:
     params_list = list(params) if isinstance(params, (list, tuple)) else [params] * count
     if len(params_list) != count:
         raise ValueError("give one SamplingParams, or one per prompt")

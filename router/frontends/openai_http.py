@@ -28,11 +28,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.generation_config import sampling_defaults
 from router.auth import key_matches
 from router.frontends import openai_render as render
 from router.frontends.openai_models import ChatCompletionRequest, CompletionRequest
 from router.requests.request import ERROR
-from router.validation import RouterError, invalid
+from router.requests.spec import Sampling
+from router.validation import RouterError, check_sampling, invalid
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +174,7 @@ class OpenAIFrontend:
         self.limits = limits
         self.keys = config.api_key_set
         self.max_body = int(config.http_max_body_mib * 2**20)
+        self.sampling_defaults = model_sampling_defaults(config, limits)
         self.app = self._build()
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
@@ -271,7 +274,7 @@ class OpenAIFrontend:
         body = await _parse(request, CompletionRequest, self.max_body)
         self._check_model(body.model)
         rid = self._request_id(request)
-        specs = body.specs(rid or "")
+        specs = body.specs(rid or "", self.sampling_defaults)
         return await self._serve(request, body, specs, rid, chat=False)
 
     async def chat_completions(self, request: Request):
@@ -279,9 +282,10 @@ class OpenAIFrontend:
         self._check_model(body.model)
         rid = self._request_id(request)
         messages = body.rendered_messages()
-        body.chat_sampling()  # bad sampling is reported before the template runs
+        body.chat_sampling(self.sampling_defaults)  # bad sampling is reported before the template runs
         prompt_ids = await self.admission.render_chat(messages)
-        return await self._serve(request, body, body.specs(rid or "", prompt_ids), rid, chat=True)
+        return await self._serve(request, body, body.specs(rid or "", prompt_ids, self.sampling_defaults),
+                                 rid, chat=True)
 
     @staticmethod
     def _request_id(request: Request) -> str | None:
@@ -393,6 +397,25 @@ class OpenAIFrontend:
             watcher.cancel()
             for req, sub in zip(reqs, subs):
                 self.table.unsubscribe(req, sub)
+
+
+def model_sampling_defaults(config, limits) -> dict:
+    """The model's sampling defaults for fields a request leaves unset, with
+    --generation-config auto (vLLM's default); {} with none, or where the
+    folder's values would be refused (logged)."""
+    if config.generation_config == "none":
+        return {}
+    defaults = sampling_defaults(config.model)
+    if not defaults:
+        return {}
+    try:
+        check_sampling(Sampling(**defaults), limits)
+    except RouterError as err:
+        log.warning("the model's generation_config.json is not used for defaults: %s", err.message)
+        return {}
+    log.info("sampling fields a request leaves unset take the model's generation_config.json "
+             "values: %s (--generation-config none: OpenAI's defaults)", defaults)
+    return defaults
 
 
 class BodyTooLarge(Exception):

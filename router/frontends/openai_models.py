@@ -78,18 +78,21 @@ class _Common(BaseModel):
     _common_nulls = field_validator("n", "stream", "ignore_eos", "priority",
                                     mode="before")(classmethod(_null_is_default))
 
-    def sampling(self, max_tokens: int | None, logprobs: int | None) -> Sampling:
+    def sampling(self, max_tokens: int | None, logprobs: int | None, defaults=None) -> Sampling:
+        """defaults: the model's sampling defaults (common/generation_config.py),
+        for the fields this body leaves unset."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         seed = self.seed
         if seed is not None and -2 ** 63 <= seed < 0:
             seed %= 2 ** 64   # a signed seed, as vLLM takes it, as the unsigned one the wire carries
-        return Sampling(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                        top_k=self.top_k, min_p=self.min_p, seed=seed,
-                        ignore_eos=self.ignore_eos, stop=stop,
+        unset = {k: v for k, v in (defaults or {}).items() if getattr(self, k) is None}
+        return Sampling(max_tokens=max_tokens, seed=seed, ignore_eos=self.ignore_eos, stop=stop,
                         min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
-                        frequency_penalty=self.frequency_penalty,
-                        repetition_penalty=self.repetition_penalty, logprobs=logprobs,
-                        logit_bias=self.bias_pairs())
+                        frequency_penalty=self.frequency_penalty, logprobs=logprobs,
+                        logit_bias=self.bias_pairs(),
+                        **{**dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                  min_p=self.min_p, repetition_penalty=self.repetition_penalty),
+                           **unset})
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         bad = [key for key in (self.logit_bias or {}) if not key.strip().lstrip("-").isdigit()]
@@ -159,11 +162,11 @@ class CompletionRequest(_Common):
         raise invalid("prompt must be a string, a list of strings, a list of token ids, "
                       "or a list of lists of token ids")
 
-    def specs(self, request_id: str) -> list[RequestSpec]:
+    def specs(self, request_id: str, defaults=None) -> list[RequestSpec]:
         """One spec per (prompt, completion), in the order choices are numbered."""
         self.check_n()
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return _expand(self, self.prompts(), self.sampling(max_tokens, self.logprobs), request_id)
+        return _expand(self, self.prompts(), self.sampling(max_tokens, self.logprobs, defaults), request_id)
 
 
 class ChatMessage(BaseModel):
@@ -199,16 +202,16 @@ class ChatCompletionRequest(_Common):
             out.append({**m.model_dump(exclude_none=True), "content": content or ""})
         return out
 
-    def chat_sampling(self) -> Sampling:
+    def chat_sampling(self, defaults=None) -> Sampling:
         self.check_n()
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs needs logprobs: true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
-        return self.sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self.sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults)
 
-    def specs(self, request_id: str, prompt_ids: tuple[int, ...]) -> list[RequestSpec]:
-        return _expand(self, [prompt_ids], self.chat_sampling(), request_id)
+    def specs(self, request_id: str, prompt_ids: tuple[int, ...], defaults=None) -> list[RequestSpec]:
+        return _expand(self, [prompt_ids], self.chat_sampling(defaults), request_id)
 
 
 def _is_int(x) -> bool:

@@ -120,3 +120,19 @@ def test_offline_and_router_encoding_agree_on_bos(tiny_model, tmp_path):
     ids = llm.generate(["the model"], SamplingParams(temperature=0.0, max_tokens=1))[0].prompt_token_ids
     assert ids == encode_prompt(tok, "the model") == tok.encode("the model")
     assert ids[0] == tok.bos_token_id and ids[1:] == tok.encode("the model", add_special_tokens=False)
+
+
+def test_no_sampling_params_means_the_models_generation_config(tiny_model, tmp_path, llm):
+    """As vLLM's LLM: generate with no SamplingParams uses the model's own sampling
+    defaults (here temperature 0: greedy) over SamplingParams' defaults."""
+    import json
+
+    folder = tmp_path / "greedy_by_default"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0}))
+    tuned = LLM(str(folder), chunk_size=16, num_blocks=128)
+    assert tuned.get_default_sampling_params().temperature == 0.0
+    assert llm.get_default_sampling_params() == SamplingParams()   # the tiny model sets none
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0))[0].outputs[0].token_ids
+    assert tuned.generate([[5, 6, 7]])[0].outputs[0].token_ids == greedy
