@@ -74,8 +74,11 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative")
+        if self.seed is not None and -(_SEED_LIMIT >> 1) <= self.seed < 0:
+            # A signed 64-bit seed, as vLLM takes it: the same draws as its unsigned form.
+            object.__setattr__(self, "seed", self.seed % _SEED_LIMIT)
         if self.seed is not None and not 0 <= self.seed < _SEED_LIMIT:
-            raise InvalidRequestError(f"seed must be in [0, 2**64), got {self.seed}")
+            raise InvalidRequestError(f"seed must be in [-2**63, 2**64), got {self.seed}")
 
     def _check_counts(self) -> None:
         if self.n < 1:

@@ -120,10 +120,17 @@ def test_bad_requests_raise_clear_errors(llm, prompt, params, message):
     (dict(repetition_penalty=float("nan")), "repetition_penalty"),
     (dict(temperature=float("inf")), "temperature"),
     (dict(seed=1 << 64), "seed"),
+    (dict(seed=-(1 << 63) - 1), "seed"),
 ])
 def test_bad_sampling_values(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_a_negative_seed_is_its_unsigned_form():
+    """A signed 64-bit seed, as vLLM accepts it, draws as the same bits unsigned."""
+    assert SamplingParams(seed=-1).seed == (1 << 64) - 1
+    assert SamplingParams(seed=-(1 << 63)).seed == 1 << 63
 
 
 def test_request_that_can_never_fit_is_rejected(tiny_model):
