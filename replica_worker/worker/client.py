@@ -74,6 +74,7 @@ class ReplicaWorker:
         self._reports: asyncio.Queue[EngineReport] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue | None = None  # the live stream's writer queue; None while away
+        self._overflowed = asyncio.Event()          # the live stream's outbox filled: end it
         self._call = None
         self._health = RouterHealth()
         self._rng = random.Random(config.replica_id)
@@ -220,9 +221,11 @@ class ReplicaWorker:
         # One writer per stream: gRPC allows a single write in flight, so every
         # message goes through this queue (None half-closes the stream).
         self._outbox = asyncio.Queue(OUTBOX_LIMIT)
+        self._overflowed = asyncio.Event()
         tasks = [asyncio.create_task(self._write_loop(call, self._outbox)),
                  asyncio.create_task(self._read_loop(call)),
-                 asyncio.create_task(self._heartbeats())]
+                 asyncio.create_task(self._heartbeats()),
+                 asyncio.create_task(self._until_overflow(self._overflowed))]
         self._on_registered(first.registered)
         if self._done.is_set():
             # Drained while registering (nothing was in hand): the half-close
@@ -270,10 +273,16 @@ class ReplicaWorker:
         try:
             self._outbox.put_nowait(msg)
         except asyncio.QueueFull:
-            log.warning("%d messages to the router are unsent; re-establishing the stream",
-                        OUTBOX_LIMIT)
-            if self._call is not None:
-                self._call.cancel()
+            # Ends the session like any broken stream (then a reconnect). Cancelling
+            # the call instead would raise CancelledError in its reads and writes,
+            # which ends the worker, not the session.
+            self._overflowed.set()
+
+    @staticmethod
+    async def _until_overflow(overflowed: asyncio.Event) -> None:
+        await overflowed.wait()
+        raise ConnectionError(f"{OUTBOX_LIMIT} messages to the router are unsent; "
+                              "re-establishing the stream")
 
     async def _write_loop(self, call, outbox: asyncio.Queue) -> None:
         try:
@@ -466,6 +475,8 @@ class ReplicaWorker:
         if report.handed_back:
             self._hand_back(report.handed_back)
         connected = self._outbox is not None
+        res.deltas = [d for d in res.deltas if self.book.of_this_assignment(
+            d.request_id, d.output_offset, len(d.new_token_ids))]
         if self.texts is not None:
             res.deltas = self._with_text(res.deltas)
         deltas = []

@@ -25,6 +25,10 @@ class LiveRequest:
     first_scheduled_sent: bool = False
     next_offset: int = 0  # output_offset the router expects next (resumed tokens included)
     finished: bool = False
+    # output_offset the engine's next delta for this assignment has. A delta that
+    # starts elsewhere is from an earlier assignment of the same id (cancelled, then
+    # assigned here again), computed before the engine saw the cancel.
+    engine_next: int = 0
 
 
 class RequestBook:
@@ -36,8 +40,23 @@ class RequestBook:
         self.seq = 0                      # of the last StepOutputs built (Ack refers to it)
 
     def assigned(self, request_id: str, context_tokens: int, num_resumed: int = 0) -> None:
-        self.live[request_id] = LiveRequest(context_tokens, next_offset=num_resumed)
+        self.live[request_id] = LiveRequest(context_tokens, next_offset=num_resumed,
+                                            engine_next=num_resumed)
         self.queued[request_id] = context_tokens
+
+    def of_this_assignment(self, request_id: str, output_offset: int, num_tokens: int) -> bool:
+        """Whether an engine delta with tokens belongs to the request's current
+        assignment (then counted), not to an earlier one of the same id whose
+        output the engine had computed before it took the cancel: that would
+        reach the router at offsets it never expects (read as a fault) and into
+        the new request's text."""
+        req = self.live.get(request_id)
+        if req is None or not num_tokens:
+            return True   # not live: dropped later; tokenless: an ending, placed by record()
+        if output_offset != req.engine_next:
+            return False
+        req.engine_next += num_tokens
+        return True
 
     def dropped(self, request_id: str) -> None:
         self.live.pop(request_id, None)

@@ -1,0 +1,90 @@
+"""The worker's stream to its router when something goes wrong on it: output
+of an earlier assignment of the same id, and an outbox the router does not
+drain. Scripted engine; a scripted gRPC router where a real stream matters."""
+
+import asyncio
+import time
+
+import grpc
+
+from common.pb.quadriga.v1 import replica_pb2 as pb
+from common.pb.quadriga.v1 import replica_pb2_grpc
+from common.redis_server import free_port
+from replica_worker.worker import client
+from tests.worker.fakes import FakeEngine, Wired, assignment, make_worker
+
+
+def test_output_of_an_earlier_assignment_of_the_same_id_is_not_sent_as_the_new_ones():
+    """The router cancels a request and assigns it here again (a diverged request
+    requeued, and this replica pulls it back): steps the engine computed for the
+    old assignment before it took the cancel must not reach the router at offsets
+    the new one never had (the router reads a gap as a fault and drops the replica)."""
+    async def main():
+        engine = FakeEngine(seats=4, tokens=1000, length=10**9)
+        worker = make_worker(engine)
+        async with Wired(worker) as w:
+            worker._on_router_message(pb.RouterMessage(assign=pb.Assign(
+                assignments=[assignment("x", max_tokens=10**6)])))
+            await asyncio.sleep(0.05)
+            while not worker._outbox.empty():   # what the router got of the old x
+                w._acked(worker._outbox.get_nowait())
+            time.sleep(0.05)   # the loop is busy; the engine thread goes on reporting the old x
+            worker._on_router_message(pb.RouterMessage(cancel=pb.CancelRequests(request_ids=["x"])))
+            again = assignment("x", max_tokens=10**6)
+            again.resume_token_ids.extend([1, 1])   # what the router recorded of it
+            worker._on_router_message(pb.RouterMessage(assign=pb.Assign(assignments=[again])))
+            expected, seen, deadline = 2, 0, time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                m = await w.next()
+                if m is None or m.WhichOneof("kind") != "step":
+                    continue
+                for d in m.step.deltas:
+                    if d.request_id == "x":
+                        assert d.output_offset == expected, (d.output_offset, expected)
+                        expected += len(d.token_ids)
+                        seen += 1
+            engine.hold = True
+            assert seen, "the new assignment streamed nothing"
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_an_outbox_the_router_does_not_drain_reconnects_the_worker_goes_on():
+    class Router(replica_pb2_grpc.ReplicaGatewayServicer):
+        registers = 0
+
+        async def Connect(self, request_iterator, context):
+            it = request_iterator.__aiter__()
+            await it.__anext__()
+            Router.registers += 1
+            yield pb.RouterMessage(registered=pb.Registered(heartbeat_interval_s=0.5, lease_ttl_s=10,
+                                                            step_credit=True))
+            async for _ in it:
+                pass
+
+    async def main():
+        server = grpc.aio.server()
+        replica_pb2_grpc.add_ReplicaGatewayServicer_to_server(Router(), server)
+        port = free_port()
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        try:
+            worker = make_worker(FakeEngine(seats=2), router=f"127.0.0.1:{port}",
+                                 reconnect_min_s=0.05, reconnect_max_s=0.1)
+            task = asyncio.create_task(worker.run())
+            while worker._outbox is None:
+                await asyncio.sleep(0.01)
+            heartbeat = pb.ReplicaMessage(heartbeat=pb.Heartbeat())
+            for _ in range(client.OUTBOX_LIMIT + 1):   # faster than anyone reads
+                worker._send(heartbeat)
+            deadline = time.monotonic() + 10
+            while Router.registers < 2 and not task.done() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not task.done(), "the worker ended instead of reconnecting"
+            assert Router.registers >= 2
+            worker.begin_drain()
+            await asyncio.wait_for(task, 5)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
