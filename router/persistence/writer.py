@@ -57,7 +57,11 @@ from router.persistence.resp import LeanRedis, ReplyError, Script
 log = logging.getLogger(__name__)
 
 # Error replies that mean "not now" rather than "never": retried like a lost connection.
-TRANSIENT_REPLIES = ("NOSCRIPT", "LOADING", "BUSY", "TRYAGAIN", "MASTERDOWN", "READONLY")
+# OOM (maxmemory reached: results expire, memory comes back), MISCONF (snapshots
+# failing: writes refused until the disk is fixed) and NOREPLICAS (too few replicas
+# acknowledge) are an outage of writes, not a refusal of this one.
+TRANSIENT_REPLIES = ("NOSCRIPT", "LOADING", "BUSY", "TRYAGAIN", "MASTERDOWN", "READONLY",
+                     "OOM", "MISCONF", "NOREPLICAS")
 
 
 @dataclass(eq=False)

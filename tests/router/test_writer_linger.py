@@ -100,3 +100,4 @@ def test_without_a_linger_nothing_waits(redis_url, arun):
             await store.close()
 
     arun(scenario())
+
