@@ -269,13 +269,18 @@ class Admission:
         replayed and what follows through events (events.py) meet exactly."""
         self._same_body(stored_digest, digest, rid)
         self.table.begin_attach(rid)
+        reply = self.writer.call(self.store.attach(rid, digest))
         try:
-            flat = await self.writer.call(self.store.attach(rid, digest))
+            # Shielded: a client that leaves meanwhile does not stop the ATTACH,
+            # which names this router a front in Redis whatever the client does.
+            flat = await asyncio.shield(reply)
+        except asyncio.CancelledError:
+            reply.add_done_callback(lambda done: self._attached_without_client(rid, done))
+            raise
         except Exception as exc:
             self.table.attach_remote(rid, None)
             raise unavailable(f"attaching to request {rid!r} failed ({exc}); retry", "store") from exc
-        rec = record_from_flat(rid, flat)
-        req = state_from_record(rec) if rec is not None else None
+        req = self._state_of(rid, flat)
         found = self.table.get(rid)
         self.table.attach_remote(rid, req)
         if req is None:
@@ -284,6 +289,24 @@ class Admission:
             self._same_body(found.digest, digest, rid)
             return found
         return req
+
+    @staticmethod
+    def _state_of(rid: str, flat) -> RequestState | None:
+        rec = record_from_flat(rid, flat)
+        return state_from_record(rec) if rec is not None else None
+
+    def _attached_without_client(self, rid: str, reply: asyncio.Future) -> None:
+        """The ATTACH of a client that left before its reply: the request is taken
+        in as any front takes it (else Redis names this router a front of a request
+        it does not hold, and its events pile up waiting), then ended as a
+        disconnect ends a request no stream watches."""
+        if reply.cancelled() or reply.exception() is not None:
+            self.table.attach_remote(rid, None)
+            return
+        self.table.attach_remote(rid, self._state_of(rid, reply.result()))
+        req = self.table.get(rid)
+        if req is not None and req.live and not req.subscribers:
+            self.table.cancel(rid, "disconnect")
 
     def cancel(self, rid: str, source: str) -> bool:
         return self.table.cancel(rid, source)

@@ -471,3 +471,49 @@ def test_a_front_left_out_of_a_restored_record_attaches_again_and_streams_on(
             await reps.close()
 
     arun(scenario())
+
+
+class _SlowReplies:
+    """A router's writer as its admission sees it: each write goes to Redis as
+    usual, its reply reaches the caller a second later (a slow round trip)."""
+
+    def __init__(self, writer):
+        self._writer = writer
+
+    def __getattr__(self, name):
+        return getattr(self._writer, name)
+
+    def call(self, write):
+        reply = self._writer.call(write)
+
+        async def later():
+            result = await reply
+            await asyncio.sleep(1.0)
+            return result
+        return asyncio.ensure_future(later())
+
+
+def test_a_client_that_leaves_while_its_reattach_is_on_the_way_strands_nothing(redis_url, tiny_model, arun):
+    """Router B's ATTACH names it a front in Redis whether or not the client waits
+    for the reply: B takes the request in when the reply comes, then ends it as a
+    disconnect does, so nothing is left leased to a replica that never got it and
+    the first client, on router A, hears the end."""
+    async def scenario():
+        async with two_routers(redis_url, tiny_model) as (a, b):
+            near = Replicas(a.address, a.limits.vocab_size)
+            await near.add("ra", step_delay=0.2)
+            req = request([9, 4], 40, request_id="x")
+            async with client(a.address) as sa, client(b.address) as sb:
+                first = asyncio.create_task(collect(sa, req, timeout=60))
+                await wait_until(lambda: a.table.get("x") and len(a.table.get("x").tokens) >= 2)
+                b.admission.writer = _SlowReplies(b.admission.writer)
+                again = asyncio.create_task(collect(sb, req, timeout=60))
+                await asyncio.sleep(0.4)
+                again.cancel()                       # the re-attaching client gives up
+                await asyncio.gather(again, return_exceptions=True)
+                await wait_until(lambda: not b.table._attaching, timeout=10)
+                msgs = await asyncio.wait_for(first, 20)
+                assert msgs[-1].finish_reason == gpb.FINISH_REASON_CANCELLED
+            await near.close()
+
+    arun(scenario(), timeout=90)
