@@ -40,6 +40,9 @@ CHANNEL_CLOSE_TIMEOUT_S = 5.0
 # Messages to the router that may wait while gRPC applies flow control; past it the
 # stream is dropped and re-established (the unacknowledged deltas are resent).
 OUTBOX_LIMIT = 10_000
+# How long a router may take to answer Register (its join writes to Redis, which
+# it retries through an outage) before the stream counts as broken.
+REGISTER_REPLY_TIMEOUT_S = 15.0
 
 # Statuses at registration that no retry can fix: exit instead of reconnecting.
 FATAL_CODES = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
@@ -210,12 +213,14 @@ class ReplicaWorker:
             prefix_cache=self._prefix_cache_pb(),
         )))
         try:
-            first = await call.read()
+            first = await self._registered_reply(call)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in FATAL_CODES:
                 raise FatalRegistrationError(
                     f"router refused registration: {exc.code().name}: {exc.details()}") from None
             raise
+        if first is None:
+            return   # drained with nothing in hand while the router had not answered
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "registered":
             await self._raise_registration_failure(call)
         # One writer per stream: gRPC allows a single write in flight, so every
@@ -244,6 +249,39 @@ class ReplicaWorker:
             await asyncio.gather(*tasks, return_exceptions=True)
         for task in done:
             task.result()  # re-raise what ended the session
+
+    async def _registered_reply(self, call):
+        """The router's first message, or None once this worker is done (drained
+        with nothing in hand) and its drain time has run out before the reply
+        came (a reply within it still gets the half-close the drain owes). A
+        router whose join waits on Redis may take a while; past
+        REGISTER_REPLY_TIMEOUT_S the stream is given up as broken, and the worker
+        tries again (another router, where it knows one)."""
+        read = asyncio.ensure_future(call.read())
+        deadline = time.monotonic() + REGISTER_REPLY_TIMEOUT_S
+        try:
+            while True:
+                done_waiter = None
+                if self._done.is_set():
+                    deadline = min(deadline, self._drain_deadline)
+                else:
+                    done_waiter = asyncio.ensure_future(self._done.wait())
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                waits = {read} if done_waiter is None else {read, done_waiter}
+                finished, _ = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if done_waiter is not None:
+                    done_waiter.cancel()
+                if read in finished:
+                    return read.result()
+        finally:
+            if not read.done():
+                read.cancel()
+                await asyncio.gather(read, return_exceptions=True)
+        if self._done.is_set():
+            return None
+        raise ConnectionError(f"the router did not answer Register within {REGISTER_REPLY_TIMEOUT_S:g} s")
 
     def _prefix_cache_pb(self) -> pb.PrefixCache | None:
         """The whole cache, for Register: a router that restarted, or a stream that

@@ -1,6 +1,7 @@
 """The worker's stream to its router when something goes wrong on it: output
-of an earlier assignment of the same id, and an outbox the router does not
-drain. Scripted engine; a scripted gRPC router where a real stream matters."""
+of an earlier assignment of the same id, an outbox the router does not drain,
+a router that never answers Register. Scripted engine; a scripted gRPC router
+where a real stream matters."""
 
 import asyncio
 import time
@@ -82,6 +83,69 @@ def test_an_outbox_the_router_does_not_drain_reconnects_the_worker_goes_on():
                 await asyncio.sleep(0.05)
             assert not task.done(), "the worker ended instead of reconnecting"
             assert Router.registers >= 2
+            worker.begin_drain()
+            await asyncio.wait_for(task, 5)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+class _SilentRouter(replica_pb2_grpc.ReplicaGatewayServicer):
+    """Takes a stream and its Register, and never answers (a router whose join
+    waits on a Redis that is away)."""
+
+    def __init__(self):
+        self.registers = 0
+        self.got = asyncio.Event()
+
+    async def Connect(self, request_iterator, context):
+        await request_iterator.__aiter__().__anext__()
+        self.registers += 1
+        self.got.set()
+        await asyncio.Event().wait()
+        yield  # pragma: no cover
+
+
+async def _serve(servicer):
+    server = grpc.aio.server()
+    replica_pb2_grpc.add_ReplicaGatewayServicer_to_server(servicer, server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, port
+
+
+def test_sigterm_ends_a_worker_whose_router_never_answered_register():
+    async def main():
+        router = _SilentRouter()
+        server, port = await _serve(router)
+        try:
+            worker = make_worker(FakeEngine(seats=2), router=f"127.0.0.1:{port}", drain_timeout_s=0.5)
+            task = asyncio.create_task(worker.run())
+            await asyncio.wait_for(router.got.wait(), 10)
+            worker.begin_drain()                 # nothing in hand: it may go at once
+            await asyncio.wait_for(task, 5)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_router_that_never_answers_register_is_left_for_another_try(monkeypatch):
+    monkeypatch.setattr(client, "REGISTER_REPLY_TIMEOUT_S", 0.3)
+
+    async def main():
+        router = _SilentRouter()
+        server, port = await _serve(router)
+        try:
+            worker = make_worker(FakeEngine(seats=2), router=f"127.0.0.1:{port}",
+                                 reconnect_min_s=0.05, reconnect_max_s=0.1)
+            task = asyncio.create_task(worker.run())
+            deadline = time.monotonic() + 10
+            while router.registers < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert router.registers >= 2 and not task.done()
             worker.begin_drain()
             await asyncio.wait_for(task, 5)
         finally:
