@@ -94,6 +94,7 @@ class EngineCore:
         self._texts = OutputTexts(tokenizer) if tokenizer is not None else None
         self._step_id = 0
         self._in_flight: _Launched | None = None
+        self._undelivered: list[RequestDelta] = []   # resolved by a step whose launch then failed
         async_scheduling = config.async_scheduling
         if async_scheduling is None:
             async_scheduling = config.device != "cpu"
@@ -198,12 +199,18 @@ class EngineCore:
         (this one, or with async scheduling the one before it)."""
         start = time.perf_counter()
         self._step_id += 1
-        deltas: list[RequestDelta] = []
+        deltas, self._undelivered = self._undelivered, []
         if self._in_flight is not None and self._needs_resolved_tokens:
             deltas.extend(self._resolve(self._take_in_flight()))
         out = self.scheduler.schedule()
         deltas.extend(self._ignored_delta(seq) for seq in out.ignored)
-        launched = self._launch(out.chunks) if out.chunks else None
+        try:
+            launched = self._launch(out.chunks) if out.chunks else None
+        except BaseException:
+            # What this step resolved before its launch failed (requests it ended
+            # among them) still goes out: take_undelivered, or the next step.
+            self._undelivered = deltas
+            raise
         if self._in_flight is not None:
             deltas.extend(self._resolve(self._take_in_flight()))
         if launched is not None:
@@ -219,6 +226,11 @@ class EngineCore:
             num_preempted=len(out.preempted),
             step_time=time.perf_counter() - start,
         )
+
+    def take_undelivered(self) -> list[RequestDelta]:
+        """Deltas a failed step had resolved before its launch failed; once."""
+        deltas, self._undelivered = self._undelivered, []
+        return deltas
 
     def _launch(self, chunks: list[ScheduledChunk]) -> _Launched:
         samples = [c.samples for c in chunks]  # before num_computed_tokens moves

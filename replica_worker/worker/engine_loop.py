@@ -96,6 +96,7 @@ class EngineLoop:
         self._on_report = on_report
         self._on_device_failure = on_device_failure
         self._inbox: deque = deque()
+        self._rejected: list[RequestDelta] = []   # this iteration's refused adds, until reported
         self._wake = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -149,9 +150,11 @@ class EngineLoop:
                 self._hand_back_all()
 
     def _iterate(self, commands: list) -> None:
-        rejected = [d for d in (self._apply(c) for c in commands) if d is not None]
+        # Kept until reported: a step that fails after them hands them back with the rest.
+        self._rejected = [d for d in (self._apply(c) for c in commands) if d is not None]
         result = self._engine.step() if self._engine.has_unfinished() else StepResult(deltas=[])
-        result.deltas[:0] = rejected
+        result.deltas[:0] = self._rejected
+        self._rejected = []
         self._report(result)
 
     def _apply(self, command) -> RequestDelta | None:
@@ -203,7 +206,14 @@ class EngineLoop:
         ))
 
     def _hand_back_all(self) -> None:
+        """After a recoverable failed step: every request still inside the engine
+        goes back, and what ended before the failure is reported with them (adds
+        refused in that iteration, deltas the step had resolved before its launch
+        failed), so no request is left neither finished nor handed back."""
         ids = tuple(self._engine.request_ids())
         for rid in ids:
             self._engine.abort_request(rid)
-        self._report(StepResult(deltas=[]), handed_back=ids)
+        take = getattr(self._engine, "take_undelivered", None)
+        deltas = self._rejected + (take() if take is not None else [])
+        self._rejected = []
+        self._report(StepResult(deltas=deltas), handed_back=ids)
