@@ -19,6 +19,7 @@ import grpc
 
 from common.tokenizer import encode_prompt, has_chat_template, load_encoder, load_tokenizer
 from router.persistence.store import record_from_flat
+from router.persistence.writer import PermanentWriteError
 from router.requests.record import state_from_record
 from router.requests.request import RequestState
 from router.requests.spec import RequestSpec
@@ -160,6 +161,10 @@ class Admission:
             self._withdraw(req)
             raise unavailable(f"Redis did not store the request within {self.config.submit_timeout:g} s; "
                               "retry (with the same request_id to be safe)", "store") from None
+        except PermanentWriteError as exc:   # this router was fenced, or Redis refused the script
+            self._withdraw(req)
+            raise unavailable(f"the router could not store the request ({exc}); retry, on another "
+                              "router if there is one", "store") from None
         except BaseException:
             self._withdraw(req)
             raise

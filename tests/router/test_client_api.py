@@ -231,3 +231,22 @@ def test_a_specs_sampling_survives_its_json_in_redis():
     s = Sampling(max_tokens=5, temperature=0.5, stop=("a", "b"), stop_token_ids=(3,), logprobs=2,
                  logit_bias=((4, -1.5), (9, 2.0)))
     assert sampling_from_fields(json.loads(s.set_fields_json)) == s
+
+
+def test_a_request_the_router_cannot_store_gets_unavailable(redis_url, tiny_model, arun):
+    """A submit Redis refuses for good (this router was fenced: its lease lapsed)
+    is UNAVAILABLE with a message, so the client retries elsewhere, not UNKNOWN."""
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            reps = Replicas(app.address, app.limits.vocab_size)
+            await reps.add("r0")
+            app.writer.fenced = True   # as after a FENCED reply: every write fails at once
+            async with client(app.address) as stub:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await collect(stub, request([1, 2], 3))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "could not store the request" in err.value.details()
+            app.writer.fenced = False
+            await reps.close()
+
+    arun(scenario())
