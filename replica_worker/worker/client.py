@@ -104,10 +104,21 @@ class ReplicaWorker:
             self.metrics.serve(self.config.metrics_port)
         self.engine_loop.start()
         pump = asyncio.create_task(self._pump_reports())
+        sessions = asyncio.create_task(self._connect_forever())
         try:
-            await self._connect_forever()
+            await asyncio.wait({pump, sessions}, return_when=asyncio.FIRST_COMPLETED)
+            if pump.done():
+                # Reports are how output leaves: with the pump gone the worker would
+                # renew its leases and send nothing. End it, so its work resumes elsewhere.
+                sessions.cancel()
+                await asyncio.gather(sessions, return_exceptions=True)
+                pump.result()
+                raise RuntimeError("the engine's reports stopped being read")
+            sessions.result()
         finally:
-            pump.cancel()
+            for task in (pump, sessions):
+                task.cancel()
+            await asyncio.gather(pump, sessions, return_exceptions=True)
             self.engine_loop.stop()
 
     def begin_drain(self) -> None:

@@ -147,7 +147,15 @@ class EngineLoop:
                 # Recoverable (an out-of-memory step, say): the engine frees
                 # everything and the router resumes the work from what it has.
                 log.exception("engine step failed; handing its requests back")
-                self._hand_back_all()
+                try:
+                    self._hand_back_all()
+                except Exception as again:
+                    # The engine cannot even give its work back: no later step can
+                    # be trusted, and a thread that died here would leave the worker
+                    # renewing leases of work that never moves.
+                    log.exception("handing requests back after a failed step failed too")
+                    self._on_device_failure(again)
+                    return
 
     def _iterate(self, commands: list) -> None:
         # Kept until reported: a step that fails after them hands them back with the rest.

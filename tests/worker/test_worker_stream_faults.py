@@ -152,3 +152,34 @@ def test_a_router_that_never_answers_register_is_left_for_another_try(monkeypatc
             await server.stop(None)
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_worker_whose_engine_reports_stop_being_read_ends():
+    """The task that turns engine reports into messages failed: the worker would
+    renew its leases and send nothing. It ends instead, so its work resumes elsewhere."""
+    class Router(replica_pb2_grpc.ReplicaGatewayServicer):
+        async def Connect(self, request_iterator, context):
+            it = request_iterator.__aiter__()
+            await it.__anext__()
+            yield pb.RouterMessage(registered=pb.Registered(heartbeat_interval_s=0.5, lease_ttl_s=10,
+                                                            step_credit=True))
+            async for _ in it:
+                pass
+
+    async def main():
+        server, port = await _serve(Router())
+        try:
+            worker = make_worker(FakeEngine(seats=2), router=f"127.0.0.1:{port}")
+
+            def broken(_report):
+                raise ValueError("a report that cannot be sent")
+            worker._send_report = broken
+            task = asyncio.create_task(worker.run())
+            await asyncio.sleep(0.2)
+            worker.engine_loop.request_report()   # a report to read, whatever came before
+            done, _ = await asyncio.wait({task}, timeout=5)
+            assert done and isinstance(task.exception(), ValueError)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
