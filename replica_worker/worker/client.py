@@ -78,7 +78,6 @@ class ReplicaWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue | None = None  # the live stream's writer queue; None while away
         self._overflowed = asyncio.Event()          # the live stream's outbox filled: end it
-        self._call = None
         self._health = RouterHealth()
         self._rng = random.Random(config.replica_id)
         self._address: str | None = None   # the router dialled last
@@ -213,7 +212,6 @@ class ReplicaWorker:
     # ---- one router session ----
     async def _session(self, channel) -> None:
         call = replica_pb2_grpc.ReplicaGatewayStub(channel).Connect()
-        self._call = call
         await call.write(pb.ReplicaMessage(register=pb.Register(
             replica_id=self.config.replica_id,
             model=self.config.model_name,
@@ -252,7 +250,6 @@ class ReplicaWorker:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._outbox = None
-            self._call = None
             if self.kv is not None:
                 self.kv.end_session()
             for task in tasks:
