@@ -37,13 +37,22 @@ def state_from_record(rec: dict) -> RequestState:
 
 
 def take_output(req: RequestState, rec: dict) -> None:
-    """Output as recorded replaces what the request holds (a prefix of it)."""
+    """Output as recorded replaces what the request holds (a prefix of it). Text
+    that extends what it holds is added as one more part, so a client stream
+    part-way through the parts it had gets the rest, not nothing; text that
+    does not (output recomputed otherwise) replaces them."""
     req.tokens = list(rec["tokens"])
     if req.logprobs_k is not None:
         req.logprobs = unpack_logprobs(rec.get("logprobs"), req.logprobs_k)
-    text = rec["text"].decode(errors="replace") if rec["text"] else ""
-    req.parts = [text] if text else []
-    req.text_bytes = len(rec["text"])
+    recorded = rec["text"] or b""
+    held = "".join(req.parts).encode() if req.parts else b""
+    if held and recorded.startswith(held):
+        if len(recorded) > len(held):   # parts end on whole characters: the rest decodes alone
+            req.parts.append(recorded[len(held):].decode(errors="replace"))
+    else:
+        text = recorded.decode(errors="replace")
+        req.parts = [text] if text else []
+    req.text_bytes = len(recorded)
     req.visible_tokens, req.visible_parts = len(req.tokens), len(req.parts)
 
 

@@ -141,7 +141,7 @@ def test_a_replica_moving_to_another_router_keeps_its_work(redis_url, tiny_model
 def test_missed_events_are_read_back_from_redis(redis_url, tiny_model, arun):
     """The front loses every other output event (as when its stream was trimmed
     past what it had read): each gap makes it reload the request, and its
-    clients still get every token once."""
+    clients still get every token, and its text, once."""
 
     async def scenario():
         async with two_routers(redis_url, tiny_model) as (a, b):
@@ -162,7 +162,9 @@ def test_missed_events_are_read_back_from_redis(redis_url, tiny_model, arun):
             async with client(a.address) as stub:
                 results = await asyncio.gather(*(collect(stub, request(p, 30)) for p in prompts))
             for p, msgs in zip(prompts, results):
-                assert tokens_of(msgs) == expected_tokens(p, 30, vocab)
+                want = expected_tokens(p, 30, vocab)
+                assert tokens_of(msgs) == want
+                assert "".join(m.text for m in msgs) == "".join(f"<{t}>" for t in want)
                 assert msgs[-1].finish_reason == gpb.FINISH_REASON_LENGTH
             await reps.close()
 
