@@ -158,10 +158,23 @@ class BlockManager:
             return self.initial_blocks(seq)
         return max(len(hits), self.blocks_needed(len(hits) * self.block_size + first_chunk))
 
+    def _out_of_window_hits(self, hits: list[int]) -> int:
+        """Leading cached hits that no query of seq's first chunk can see (it starts
+        after the hits; a query at p sees keys > p - W): with a window they are not
+        taken back at all (their table entries name the null block, as
+        release_out_of_window would make them). Taking them would hold a long
+        cached chain that the window never needs, past what can_ever_fit planned
+        for (peak_blocks), and a follow-up turn of a conversation would wait for
+        ever on an idle engine."""
+        if self.sliding_window is None or not hits:
+            return 0
+        return max(0, len(hits) * self.block_size - self.sliding_window + 1) // self.block_size
+
     def _blocks_taken(self, seq: Sequence, hits: list[int], first_chunk: int | None = None) -> int:
         """Available blocks that admitting seq uses up: new ones, and cached
-        hits that nobody holds (they stop being evictable)."""
-        evictable_hits = sum(1 for b in hits if self._pool.is_evictable(b))
+        hits it holds that nobody held (they stop being evictable)."""
+        held = hits[self._out_of_window_hits(hits):]
+        evictable_hits = sum(1 for b in held if self._pool.is_evictable(b))
         return self._admitted_blocks(seq, hits, first_chunk) - len(hits) + evictable_hits
 
     def can_allocate(self, seq: Sequence, use_watermark: bool = True, first_chunk: int | None = None) -> bool:
@@ -180,10 +193,13 @@ class BlockManager:
         hits = self.cached_prefix(seq)
         assert self._blocks_taken(seq, hits, first_chunk) <= self.num_free_blocks, \
             f"allocate without can_allocate: {seq}"
-        for block_id in hits:  # before take(), which could evict them otherwise
+        skip = self._out_of_window_hits(hits)
+        held = hits[skip:]
+        for block_id in held:  # before take(), which could evict them otherwise
             self._pool.ref(block_id)
-        seq.block_ids = hits + self._pool.take(self._admitted_blocks(seq, hits, first_chunk) - len(hits))
-        self._holdings[seq.seq_id] = _Holding(seq.block_ids, len(hits))
+        seq.block_ids = [self._null_block] * skip + held + \
+            self._pool.take(self._admitted_blocks(seq, hits, first_chunk) - len(hits))
+        self._holdings[seq.seq_id] = _Holding(seq.block_ids, len(hits), num_released=skip)
         seq.num_computed_tokens = len(hits) * self.block_size
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens

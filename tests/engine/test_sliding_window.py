@@ -203,3 +203,21 @@ def test_which_configs_have_a_window():
                                           max_window_layers=2)
     with pytest.raises(ValueError, match="mixes attention kinds"):
         sliding_window_of(qwen_mixed, 32768)
+
+
+@pytest.mark.parametrize("scheduler", ["sarathi", "simple_chunking"])   # those that chunk a prompt
+def test_a_follow_up_turn_whose_cached_chain_passes_the_window_runs(windowed_model, scheduler):
+    """A conversation's next turn finds its previous prompt and answer cached,
+    a chain far longer than the window in a small cache. Only the blocks its
+    first chunk can see are taken back (the rest name the null block): it runs,
+    equal to transformers' windowed greedy output, and does not hold the queue
+    behind it (an unrelated request finishes too)."""
+    llm = LLM(windowed_model, scheduler=scheduler, num_blocks=12, block_size=4, chunk_size=8,
+              async_scheduling=False, max_model_len=128)
+    first = list(range(10, 50))
+    answer = llm.generate([first], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))[0]
+    follow_up = first + answer.outputs[0].token_ids + list(range(60, 66))
+    outs = llm.generate([follow_up, [5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert outs[0].num_cached_tokens > WINDOW
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(windowed_model, [follow_up, [5, 6, 7]], 4)
+    _all_blocks_back(llm)
