@@ -6,9 +6,13 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass
 
+import grpc
+
 from common.block_hash import BlockHasher
 from common.pb.quadriga.v1 import generation_pb2 as gpb
 from common.pb.quadriga.v1 import replica_pb2 as pb
+from common.pb.quadriga.v1 import replica_pb2_grpc
+from common.redis_server import free_port
 from replica_worker.engine.errors import InvalidRequestError
 from replica_worker.engine.kv_events import KVEventLog, PrefixCacheStats
 from replica_worker.engine.outputs import EngineLoad, RequestDelta, StepResult
@@ -181,3 +185,13 @@ class Wired:
         if msg is not None and msg.WhichOneof("kind") == "step":
             self.worker._on_router_message(pb.RouterMessage(ack=pb.Ack(step_id=msg.step.step_id)))
         return msg
+
+
+async def serve_router(servicer) -> tuple[grpc.aio.Server, int]:
+    """A scripted router (a ReplicaGatewayServicer) on a loopback port: (server, port)."""
+    server = grpc.aio.server()
+    replica_pb2_grpc.add_ReplicaGatewayServicer_to_server(servicer, server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, port

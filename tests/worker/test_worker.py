@@ -3,13 +3,11 @@ and its drain against a scripted router."""
 
 import asyncio
 
-import grpc
 
 from common.pb.quadriga.v1 import generation_pb2 as gpb
 from common.pb.quadriga.v1 import replica_pb2 as pb
 from common.pb.quadriga.v1 import replica_pb2_grpc
-from common.redis_server import free_port
-from tests.worker.fakes import FakeEngine, Wired, assignment, make_worker
+from tests.worker.fakes import FakeEngine, Wired, assignment, make_worker, serve_router
 
 
 def run(coro, timeout=20):
@@ -233,11 +231,7 @@ def test_a_drain_asked_for_while_registering_still_ends_the_stream():
             half_closed.append(True)
 
     async def main():
-        server = grpc.aio.server()
-        replica_pb2_grpc.add_ReplicaGatewayServicer_to_server(ScriptedRouter(), server)
-        port = free_port()
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
+        server, port = await serve_router(ScriptedRouter())
         try:
             worker = make_worker(FakeEngine(seats=2), router=f"127.0.0.1:{port}")
             task = asyncio.create_task(worker.run())

@@ -6,13 +6,11 @@ where a real stream matters."""
 import asyncio
 import time
 
-import grpc
 
 from common.pb.quadriga.v1 import replica_pb2 as pb
 from common.pb.quadriga.v1 import replica_pb2_grpc
-from common.redis_server import free_port
 from replica_worker.worker import client
-from tests.worker.fakes import FakeEngine, Wired, assignment, make_worker
+from tests.worker.fakes import FakeEngine, Wired, assignment, make_worker, serve_router
 
 
 def test_output_of_an_earlier_assignment_of_the_same_id_is_not_sent_as_the_new_ones():
@@ -50,25 +48,27 @@ def test_output_of_an_earlier_assignment_of_the_same_id_is_not_sent_as_the_new_o
     asyncio.run(asyncio.wait_for(main(), 20))
 
 
-def test_an_outbox_the_router_does_not_drain_reconnects_the_worker_goes_on():
-    class Router(replica_pb2_grpc.ReplicaGatewayServicer):
-        registers = 0
+class _AnsweringRouter(replica_pb2_grpc.ReplicaGatewayServicer):
+    """Answers Register, then reads whatever comes; counts the Registers."""
 
-        async def Connect(self, request_iterator, context):
-            it = request_iterator.__aiter__()
-            await it.__anext__()
-            Router.registers += 1
-            yield pb.RouterMessage(registered=pb.Registered(heartbeat_interval_s=0.5, lease_ttl_s=10,
-                                                            step_credit=True))
-            async for _ in it:
-                pass
+    def __init__(self):
+        self.registers = 0
+
+    async def Connect(self, request_iterator, context):
+        it = request_iterator.__aiter__()
+        await it.__anext__()
+        self.registers += 1
+        yield pb.RouterMessage(registered=pb.Registered(heartbeat_interval_s=0.5, lease_ttl_s=10,
+                                                        step_credit=True))
+        async for _ in it:
+            pass
+
+
+def test_an_outbox_the_router_does_not_drain_reconnects_the_worker_goes_on():
+    router = _AnsweringRouter()
 
     async def main():
-        server = grpc.aio.server()
-        replica_pb2_grpc.add_ReplicaGatewayServicer_to_server(Router(), server)
-        port = free_port()
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
+        server, port = await serve_router(router)
         try:
             worker = make_worker(FakeEngine(seats=2), router=f"127.0.0.1:{port}",
                                  reconnect_min_s=0.05, reconnect_max_s=0.1)
@@ -79,10 +79,10 @@ def test_an_outbox_the_router_does_not_drain_reconnects_the_worker_goes_on():
             for _ in range(client.OUTBOX_LIMIT + 1):   # faster than anyone reads
                 worker._send(heartbeat)
             deadline = time.monotonic() + 10
-            while Router.registers < 2 and not task.done() and time.monotonic() < deadline:
+            while router.registers < 2 and not task.done() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert not task.done(), "the worker ended instead of reconnecting"
-            assert Router.registers >= 2
+            assert router.registers >= 2
             worker.begin_drain()
             await asyncio.wait_for(task, 5)
         finally:
@@ -107,19 +107,10 @@ class _SilentRouter(replica_pb2_grpc.ReplicaGatewayServicer):
         yield  # pragma: no cover
 
 
-async def _serve(servicer):
-    server = grpc.aio.server()
-    replica_pb2_grpc.add_ReplicaGatewayServicer_to_server(servicer, server)
-    port = free_port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    return server, port
-
-
 def test_sigterm_ends_a_worker_whose_router_never_answered_register():
     async def main():
         router = _SilentRouter()
-        server, port = await _serve(router)
+        server, port = await serve_router(router)
         try:
             worker = make_worker(FakeEngine(seats=2), router=f"127.0.0.1:{port}", drain_timeout_s=0.5)
             task = asyncio.create_task(worker.run())
@@ -137,7 +128,7 @@ def test_a_router_that_never_answers_register_is_left_for_another_try(monkeypatc
 
     async def main():
         router = _SilentRouter()
-        server, port = await _serve(router)
+        server, port = await serve_router(router)
         try:
             worker = make_worker(FakeEngine(seats=2), router=f"127.0.0.1:{port}",
                                  reconnect_min_s=0.05, reconnect_max_s=0.1)
@@ -157,17 +148,8 @@ def test_a_router_that_never_answers_register_is_left_for_another_try(monkeypatc
 def test_a_worker_whose_engine_reports_stop_being_read_ends():
     """The task that turns engine reports into messages failed: the worker would
     renew its leases and send nothing. It ends instead, so its work resumes elsewhere."""
-    class Router(replica_pb2_grpc.ReplicaGatewayServicer):
-        async def Connect(self, request_iterator, context):
-            it = request_iterator.__aiter__()
-            await it.__anext__()
-            yield pb.RouterMessage(registered=pb.Registered(heartbeat_interval_s=0.5, lease_ttl_s=10,
-                                                            step_credit=True))
-            async for _ in it:
-                pass
-
     async def main():
-        server, port = await _serve(Router())
+        server, port = await serve_router(_AnsweringRouter())
         try:
             worker = make_worker(FakeEngine(seats=2), router=f"127.0.0.1:{port}")
 
