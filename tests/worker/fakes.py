@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -47,8 +48,9 @@ class FakeEngine:
 
     def __init__(self, seats: int = 4, tokens: int = 1000, length: int = 3,
                  prefix_cache: bool = False, block_size: int = 4,
-                 max_pending_events: int = 1000) -> None:
+                 max_pending_events: int = 1000, step_s: float = 0.0) -> None:
         self.seats, self.tokens, self.length = seats, tokens, length
+        self.step_s = step_s
         self.reqs: dict[str, int] = {}
         self.step_id = 0
         self.fail_steps = 0
@@ -84,6 +86,8 @@ class FakeEngine:
 
     def step(self) -> StepResult:
         self.step_id += 1
+        if self.step_s:
+            time.sleep(self.step_s)
         if self.fail_steps:
             self.fail_steps -= 1
             if self.fail_after_sampling:  # tokens appended, never reported
