@@ -96,6 +96,10 @@ class ReplicaGateway(replica_pb2_grpc.ReplicaGatewayServicer):
                                        reg.prefix_cache.block_hashes)
         except PermanentWriteError as exc:  # fenced: this router is starting over
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the router cannot take replicas: {exc}")
+        except HasherMismatch as exc:  # another replica's cache joined while this one waited
+            self.metrics.rejections.labels("replica_prefix_cache").inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"replica {reg.replica_id!r} cannot join: {exc}")
         log.info("replica %s joined (model %s, keeps %d)", session.id, reg.model, len(keep))
         session.send(rpb.RouterMessage(registered=rpb.Registered(
             heartbeat_interval_s=self.config.heartbeat_interval, lease_ttl_s=self.config.lease_ttl,

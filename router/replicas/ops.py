@@ -57,11 +57,18 @@ class ReplicaOps:
 
     async def join(self, session, held: list[str], cached_hashes=()) -> list[str]:
         """Registers the session; returns the held requests it keeps running.
-        Raises PermanentWriteError when Redis refuses (this router is fenced)."""
+        Raises PermanentWriteError when Redis refuses (this router is fenced), and
+        HasherMismatch (nothing registered) when another replica addressing its
+        cache's blocks otherwise joined first."""
         mine = {r.id for r in self.table.owned_by(session.id)}
         foreign = [rid for rid in dict.fromkeys(held) if rid not in mine]
         records = await self.writer.call(self.store.adopt(session.id, time.time() + self.lease_ttl,
                                                           foreign))
+        if session.prefix_hasher is not None:
+            # Again, before anything is registered: a replica addressing blocks another
+            # way may have joined while this one waited on Redis. Its adopted leases
+            # lapse and the reaper requeues them.
+            self.prefix_index.check_hasher(session.id, session.prefix_hasher)
         old = self.registry.add(session)
         if old is not None:
             old.close(None)

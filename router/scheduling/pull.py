@@ -103,6 +103,7 @@ class PullScheduler:
             return
         del self._sessions[session.id]
         del self._credit[session.id]
+        self._own_work.discard(session.id)
         self.policy.on_replica_left(session)
         if self.policy.per_replica_queues:
             self.redistribute(replica_queue(session.id))

@@ -77,6 +77,39 @@ def test_a_replica_addressing_blocks_otherwise_is_refused(redis_url, tiny_model,
     arun(scenario())
 
 
+def test_two_replicas_addressing_blocks_differently_joining_at_once(redis_url, tiny_model, arun):
+    """Both pass the gateway's check while no view exists, then both wait on
+    Redis to join: the second to finish is refused whole, never left registered
+    without a place in the scheduler (a session no leave() would end)."""
+    async def scenario():
+        async with running_router(make_config(redis_url, tiny_model)) as app:
+            ops, entered, gate = app.ops, [], asyncio.Event()
+            real_call = ops.writer.call
+
+            async def gated_call(write):   # the adopt of each join waits for both
+                entered.append(write)
+                if len(entered) <= 2:
+                    if len(entered) == 2:
+                        gate.set()
+                    await gate.wait()
+                return await real_call(write)
+
+            ops.writer.call = gated_call
+            joins = {asyncio.create_task(register_raw(app.address, rpb.Register(
+                replica_id=rid, prefix_cache=rpb.PrefixCache(block_size=size, hash_scheme="blake2b64-v1"))))
+                for rid, size in (("r0", 16), ("r1", 32))}
+            done, pending = await asyncio.wait(joins, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+            ops.writer.call = real_call
+            assert len(done) == 1 and len(pending) == 1, "one is refused, the other stays"
+            code, details = done.pop().result()
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and "cannot join" in details, details
+            assert len(app.registry.sessions) == 1
+            assert set(app.registry.sessions) == set(app.scheduler._sessions)
+            pending.pop().cancel()
+
+    arun(scenario())
+
+
 def test_kv_events_from_a_replica_without_a_cache_are_a_fault(redis_url, tiny_model, arun):
     async def scenario():
         async with running_router(make_config(redis_url, tiny_model)) as app:

@@ -170,6 +170,8 @@ def test_round_robin_rotates_over_live_replicas_and_redistributes(redis_url, tin
                 assert queues == ["r:a", "r:b", "r:c", "r:a", "r:b", "r:c"]
                 await reps.kill("b")
                 await wait_until(lambda: app.registry.get("b") is None)
+                # Forgotten whole: replica pods come and go under new names.
+                assert "b" not in app.scheduler._own_work
                 moved = {app.table.requests[r].queue for r in ("rr1", "rr4")}
                 assert moved <= {"r:a", "r:c"}
                 r = await app.store.redis.zcard(app.store.queue_key("r:b"))
