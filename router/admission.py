@@ -278,10 +278,16 @@ class Admission:
         try:
             # Shielded: a client that leaves meanwhile does not stop the ATTACH,
             # which names this router a front in Redis whatever the client does.
-            flat = await asyncio.shield(reply)
+            # Bounded as a submit is: past submit_timeout the client is told to
+            # retry, and the ATTACH, still queued, is taken in when Redis answers.
+            flat = await asyncio.wait_for(asyncio.shield(reply), self.config.submit_timeout)
         except asyncio.CancelledError:
-            reply.add_done_callback(lambda done: self._attached_without_client(rid, done))
+            reply.add_done_callback(lambda done: self._attached_late(rid, done, client_left=True))
             raise
+        except TimeoutError:
+            reply.add_done_callback(lambda done: self._attached_late(rid, done, client_left=False))
+            raise unavailable(f"Redis did not answer the re-attach to request {rid!r} within "
+                              f"{self.config.submit_timeout:g} s; retry", "store") from None
         except Exception as exc:
             self.table.attach_remote(rid, None)
             raise unavailable(f"attaching to request {rid!r} failed ({exc}); retry", "store") from exc
@@ -300,17 +306,18 @@ class Admission:
         rec = record_from_flat(rid, flat)
         return state_from_record(rec) if rec is not None else None
 
-    def _attached_without_client(self, rid: str, reply: asyncio.Future) -> None:
-        """The ATTACH of a client that left before its reply: the request is taken
+    def _attached_late(self, rid: str, reply: asyncio.Future, client_left: bool) -> None:
+        """An ATTACH answered after its client stopped waiting: the request is taken
         in as any front takes it (else Redis names this router a front of a request
-        it does not hold, and its events pile up waiting), then ended as a
-        disconnect ends a request no stream watches."""
+        it does not hold, and its events pile up waiting). A client that left ends
+        it as a disconnect ends a request no stream watches; one told to retry
+        finds it here."""
         if reply.cancelled() or reply.exception() is not None:
             self.table.attach_remote(rid, None)
             return
         self.table.attach_remote(rid, self._state_of(rid, reply.result()))
         req = self.table.get(rid)
-        if req is not None and req.live and not req.subscribers:
+        if client_left and req is not None and req.live and not req.subscribers:
             self.table.cancel(rid, "disconnect")
 
     def cancel(self, rid: str, source: str) -> bool:

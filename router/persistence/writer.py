@@ -62,6 +62,11 @@ log = logging.getLogger(__name__)
 # acknowledge) are an outage of writes, not a refusal of this one.
 TRANSIENT_REPLIES = ("NOSCRIPT", "LOADING", "BUSY", "TRYAGAIN", "MASTERDOWN", "READONLY",
                      "OOM", "MISCONF", "NOREPLICAS")
+# Of those, replies that the same connection would give for ever: the server forgot
+# the scripts loaded when it opened (SCRIPT FLUSH, a restart behind a proxy that kept
+# the client's connection), or it is no longer the master the address now leads to
+# (a failover). They are retried on a new connection, which loads the scripts again.
+CONNECTION_BOUND_REPLIES = ("NOSCRIPT", "READONLY", "MASTERDOWN")
 
 
 @dataclass(eq=False)
@@ -341,6 +346,8 @@ class RedisWriter:
         if self.failing_since is None:
             self.failing_since = flight.started
             log.warning("Redis write failed (%s); retrying until Redis answers", exc)
+        if getattr(exc, "new_connection", False):
+            self.client.close()
         return False
 
     def _fail_all(self, error: Exception) -> None:
@@ -401,7 +408,12 @@ class RedisWriter:
 
 
 class _Failed(Exception):
-    """A flight's connection, deadline or a transient reply failed it."""
+    """A flight's connection, deadline or a transient reply failed it.
+    new_connection: the reply would come again on the same connection."""
+
+    def __init__(self, message: str, new_connection: bool = False):
+        super().__init__(message)
+        self.new_connection = new_connection
 
 
 class _Fenced(Exception):
@@ -457,7 +469,8 @@ class _Flight:
             if isinstance(reply, ReplyError) and str(reply).startswith("FENCED"):
                 raise _Fenced(str(reply))
             if isinstance(reply, ReplyError) and str(reply).startswith(TRANSIENT_REPLIES):
-                raise _Failed(f"transient reply: {reply}")
+                raise _Failed(f"transient reply: {reply}",
+                              new_connection=str(reply).startswith(CONNECTION_BOUND_REPLIES))
         out = []
         for w, span in zip(self.batch, self.spans):
             if span is None:
