@@ -37,16 +37,24 @@ class ModelConfig:
         _require(self.quantization in (None, "fp8"), f"quantization must be 'fp8' or None, got {self.quantization!r}")
 
 
+DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
+# The most the CPU default grows to for one whole-length request (a CPU server's
+# common KV default): past it the cache stays smaller and says so at start.
+MAX_DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache. num_blocks wins when given; otherwise the cache is sized
-    from kv_cache_memory_bytes (CPU) or gpu_memory_utilization (CUDA).
+    from kv_cache_memory_bytes (CPU; None: DEFAULT_CPU_KV_CACHE_BYTES, or one
+    request of the model's whole length when that needs more) or
+    gpu_memory_utilization (CUDA).
     enable_prefix_caching keeps computed full blocks for reuse by later
     requests with the same prefix (block_manager.py)."""
 
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_memory_bytes: int = 256 << 20
+    kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     watermark: float = 0.01  # fraction of blocks kept free when admitting new prompts
     enable_prefix_caching: bool = True
@@ -54,6 +62,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _require(self.block_size > 0, "block_size must be positive")
         _require(self.num_blocks is None or self.num_blocks > 0, "num_blocks must be positive")
+        _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+                 "kv_cache_memory_bytes must be positive")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _require(0.0 <= self.watermark < 1.0, "watermark must be in [0, 1)")
 

@@ -22,6 +22,7 @@ Not thread-safe: one thread owns an EngineCore.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.schedulers import make_scheduler
 from replica_worker.engine.schedulers.base import AdmissionCapacity, ScheduledChunk
 from replica_worker.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 def _eos_ids(*sources) -> frozenset[int]:
@@ -87,6 +90,13 @@ class EngineCore:
             config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len,
             getattr(self.runner, "sliding_window", None),
         )
+        if not self.scheduler.can_ever_fit(self.max_model_len):
+            # A request that leaves max_tokens out is given the length its prompt
+            # leaves: some such requests will be refused here.
+            logger.warning(
+                "the KV cache (%d blocks of %d tokens) cannot hold one request of the model's "
+                "whole length (%d tokens): longer requests are refused; raise num_blocks or the "
+                "cache's memory", self.runner.num_blocks, config.cache.block_size, self.max_model_len)
         self.tokenizer = tokenizer
         self.eos_token_ids = _eos_ids(
             self.runner.eos_token_id, getattr(tokenizer, "eos_token_id", None)

@@ -15,7 +15,8 @@ from typing import Callable
 
 import torch
 
-from replica_worker.engine.config import CacheConfig
+from replica_worker.engine.config import (DEFAULT_CPU_KV_CACHE_BYTES, MAX_DEFAULT_CPU_KV_CACHE_BYTES,
+                                          CacheConfig)
 
 NHD = "nhd"
 HEAD_MAJOR = "head_major"
@@ -32,14 +33,27 @@ def determine_num_blocks(
     block_bytes: int,
     device: torch.device,
     profile: Callable[[], None] | None = None,
+    max_model_len: int = 0,
 ) -> int:
     """num_blocks when configured; on the CPU kv_cache_memory_bytes // block_bytes;
     on CUDA what fits in total * gpu_memory_utilization once the weights and the
-    peak activations of a profiling forward (`profile`) are counted."""
+    peak activations of a profiling forward (`profile`) are counted.
+
+    The CPU default holds at least one request of max_model_len tokens, up to
+    MAX_DEFAULT_CPU_KV_CACHE_BYTES: a server whose client leaves max_tokens out
+    asks for the length the prompt leaves, and a cache that could never hold it
+    would refuse such requests on a model and settings that are otherwise fine.
+    A budget given is kept as given."""
     if cache_config.num_blocks is not None:
         return cache_config.num_blocks
     if device.type != "cuda":
-        num = cache_config.kv_cache_memory_bytes // block_bytes
+        budget = cache_config.kv_cache_memory_bytes
+        if budget is None:
+            whole_request = min(-(-max_model_len // cache_config.block_size) + 1,
+                                MAX_DEFAULT_CPU_KV_CACHE_BYTES // block_bytes)
+            num = max(DEFAULT_CPU_KV_CACHE_BYTES // block_bytes, whole_request)
+        else:
+            num = budget // block_bytes
     else:
         torch.cuda.synchronize(device)
         if profile is not None:

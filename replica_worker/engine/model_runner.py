@@ -115,7 +115,8 @@ class ModelRunner:
         num_layers = self.model.shape.num_layers
         block_bytes = bytes_per_block(num_layers, self.block_size, n_kv, head_dim, self.dtype)
         use_graphs = config.enable_cuda_graphs and self.device.type == "cuda" and self.backend.supports_cuda_graphs
-        num_blocks = determine_num_blocks(config.cache, block_bytes, self.device, self._profile_run)
+        num_blocks = determine_num_blocks(config.cache, block_bytes, self.device, self._profile_run,
+                                          self.max_model_len)
         if use_graphs and config.cache.num_blocks is None:
             num_blocks -= 1  # room for the scratch block
         if ranks is not None:

@@ -8,6 +8,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from client.api import make_request, sync_stub
+from common.pb.quadriga.v1 import generation_pb2 as gpb
 from common.redis_server import free_port
 from common.tokenizer import load_tokenizer
 from stack.demo import chat_prompt
@@ -50,10 +51,16 @@ def test_smollm2_answers_through_the_stack_as_transformers_does(tmp_path, redis_
             text += msg.text
             last = msg
         samples = vllm_samples(metrics_port)
+        # max_tokens left out is the length the prompt leaves (8,192 in all): the
+        # replica's default cache holds such a request, so it runs to its EOS.
+        unbounded = list(sync_stub(stack.address).Generate(make_request(prompt, temperature=0.0),
+                                                           timeout=120))
     finally:
         stack.stop()
     assert "Paris" in text, text
     assert tokens == expected
+    assert unbounded[-1].finish_reason == gpb.FINISH_REASON_STOP, unbounded[-1]
+    assert [t for m in unbounded for t in m.token_ids][:MAX_TOKENS] == expected
     assert last.timings.replica_id == "r0"
     # One request: its prompt, its tokens, one first token and a gap between each later one.
     value = {name: v for name, (_, v) in samples.items()}

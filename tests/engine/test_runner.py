@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from replica_worker.engine.config import CacheConfig, EngineConfig, ModelConfig
-from replica_worker.engine.kv_cache import bytes_per_block
+from replica_worker.engine.kv_cache import bytes_per_block, determine_num_blocks
 from replica_worker.engine.model_runner import ModelRunner
 from replica_worker.engine.sampling_params import SamplingParams
 from replica_worker.engine.schedulers.base import ScheduledChunk as Chunk
@@ -111,6 +111,19 @@ def test_runner_properties_and_cache_sizing(tiny_model_factory):
     assert runner.execute([]).token_ids == []
     with pytest.raises(ValueError, match="max_model_len"):
         ModelRunner(EngineConfig(ModelConfig(str(path), max_model_len=5000)))
+
+
+def test_the_cpu_default_cache_holds_one_whole_length_request():
+    """256 MiB, or one request of max_model_len (and a block) when that needs
+    more, at most 4 GiB; a budget given is kept as given."""
+    cpu, default = torch.device("cpu"), CacheConfig(block_size=16)
+    small_blocks = 1 << 10   # 256 MiB holds 262,144 of them: the floor is 256 MiB
+    assert determine_num_blocks(default, small_blocks, cpu, max_model_len=8192) == (256 << 20) // (1 << 10)
+    big_blocks = 1 << 20     # 256 of them in 256 MiB; 8,192 tokens need 512 and one more
+    assert determine_num_blocks(default, big_blocks, cpu, max_model_len=8192) == 513
+    assert determine_num_blocks(default, big_blocks, cpu, max_model_len=1 << 20) == 4096   # 4 GiB
+    given = CacheConfig(block_size=16, kv_cache_memory_bytes=256 << 20)
+    assert determine_num_blocks(given, big_blocks, cpu, max_model_len=8192) == 256
 
 
 def test_non_sampling_chunks_return_nothing(tiny_model_factory):
