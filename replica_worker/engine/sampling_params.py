@@ -63,10 +63,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        # Accept lists from callers but store tuples so the object stays hashable and frozen.
-        object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        # Accept lists (and None, as vLLM's defaults are) from callers but store
+        # tuples so the object stays hashable and frozen.
+        stop = self.stop or ()
+        object.__setattr__(self, "stop", tuple([stop] if isinstance(stop, str) else stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias or ()))
         self._check_counts()
         self._check_distribution()
         self._check_penalties()

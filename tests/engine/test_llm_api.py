@@ -136,3 +136,9 @@ def test_no_sampling_params_means_the_models_generation_config(tiny_model, tmp_p
     assert llm.get_default_sampling_params() == SamplingParams()   # the tiny model sets none
     greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0))[0].outputs[0].token_ids
     assert tuned.generate([[5, 6, 7]])[0].outputs[0].token_ids == greedy
+
+
+@pytest.mark.parametrize("field", ["stop", "stop_token_ids", "logit_bias"])
+def test_none_is_none_given_as_vllm_defaults_it(field):
+    """Code written for vLLM passes e.g. stop=request.stop, which may be None."""
+    assert getattr(SamplingParams(**{field: None}), field) == ()
