@@ -72,46 +72,95 @@ def _env(name: str, default=None):
     return os.environ.get(f"QUADRIGA_{name}", default)
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _switch(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither on nor off (1/0, true/false, yes/no)")
+    return value in _TRUE
+
+
+class _Flags:
+    """Each flag's environment variable is named in --help, and its value, a
+    string, goes through the flag's own type (argparse converts a string
+    default), so a bad value is a usage error naming the flag; check_env checks
+    what argparse does not check in a default: choices, and switches."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+        self._bad_env: list[str] = []
+
+    def add(self, flag: str, env: str, default=None, help: str = "", **kw) -> None:
+        value = _env(env)
+        if kw.get("action") == "store_true":
+            # A switch: QUADRIGA_X=on/off (1/0, true/false, yes/no); the flag turns it on.
+            try:
+                kw["default"] = default if value is None else _switch(value)
+            except argparse.ArgumentTypeError as exc:
+                self._bad_env.append(f"{flag}: QUADRIGA_{env}: {exc}")
+        else:
+            kw["default"] = default if value is None else value
+            choices = kw.get("choices")
+            if value is not None and choices:
+                converted = kw.get("type", str)(value)
+                if converted is not None and converted not in choices:
+                    self._bad_env.append(f"{flag}: QUADRIGA_{env}={value!r} is not one of "
+                                         f"{', '.join(map(str, choices))}")
+        note = f"env QUADRIGA_{env}"
+        self.parser.add_argument(flag, help=f"{help} ({note})" if help else note, **kw)
+
+    def check_env(self) -> None:
+        if self._bad_env:
+            self.parser.error("; ".join(self._bad_env))
+
+
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     """Flags win over environment variables, which win over defaults."""
     p = argparse.ArgumentParser(prog="python -m replica_worker", description="Quadriga replica worker")
-    p.add_argument("--router", default=_env("ROUTER_ADDRESS", "127.0.0.1:50051"))
-    p.add_argument("--model", default=_env("MODEL"), required=_env("MODEL") is None)
-    p.add_argument("--model-name", default=_env("MODEL_NAME"), help="default: the model folder's name")
-    p.add_argument("--replica-id", default=_env("REPLICA_ID"), help="default: hostname-pid")
-    p.add_argument("--device", default=_env("DEVICE", "cpu"))
-    p.add_argument("--scheduler", default=_env("SCHEDULER", "sarathi"), choices=SCHEDULER_NAMES)
-    p.add_argument("--chunk-size", type=int, default=int(_env("CHUNK_SIZE", 512)))
-    p.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_NUM_BATCHED_TOKENS"),
-                   help="token budget of a step for the unchunked schedulers (vllm, orca, ...); "
-                        "default: the model's length limit")
-    p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", 128)))
-    p.add_argument("--num-blocks", type=int, default=_env("NUM_BLOCKS"))
-    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", 16)))
-    p.add_argument("--dtype", default=_env("DTYPE"), help="default: float32 on cpu, bfloat16 on cuda")
-    p.add_argument("--load-format", default=_env("LOAD_FORMAT", "auto"), choices=("auto", "dummy"))
-    p.add_argument("--quantization", default=_env("QUANTIZATION", "") or None, choices=("fp8",),
-                   help="fp8: decoder weights in e4m3 with per-channel scales, inputs quantized per "
-                        "token (CUDA, compute capability 8.9+; emulated on the CPU). Default: none")
-    p.add_argument("--async-scheduling", default=_env("ASYNC_SCHEDULING", "auto"), choices=("auto", "on", "off"),
-                   help="schedule and prepare the next step while the device runs this one (auto: on "
-                        "for CUDA with one rank, off on the CPU)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=float(_env("GPU_MEMORY_UTILIZATION", 0.9)))
-    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached KV blocks of shared prefixes")
-    p.add_argument("--tensor-parallel-size", type=int, default=int(_env("TENSOR_PARALLEL_SIZE", 1)),
-                   help="processes (GPUs) holding one model, each a shard; this process is rank 0 and "
-                        "starts the others (default 1)")
-    p.add_argument("--prefetch", type=int, default=int(_env("PREFETCH", 0)),
-                   help="requests to pull beyond free seats (default 0: bind only when a seat is free)")
-    p.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT_S", 30)))
-    p.add_argument("--tls-ca-file", default=_env("TLS_CA_FILE", ""))
-    p.add_argument("--metrics-port", type=int, default=int(_env("REPLICA_METRICS_PORT", 0)))
-    p.add_argument("--threads", type=int, default=int(_env("TORCH_THREADS", 0)),
-                   help="torch CPU threads (default: all cores on the CPU, 1 on an accelerator); give "
-                        "each of N CPU replicas on one machine cores/N so they do not oversubscribe it")
-    p.add_argument("--engine-thread", action="store_true", default=_env("ENGINE_THREAD", "") not in ("", "0"),
-                   help="step the engine on a thread of this process, not in a process of its own "
-                        "(which keeps detokenizing and the router stream off the engine's GIL)")
+    f = _Flags(p)
+    f.add("--router", "ROUTER_ADDRESS", "127.0.0.1:50051")
+    f.add("--model", "MODEL", required=_env("MODEL") is None)
+    f.add("--model-name", "MODEL_NAME", help="default: the model folder's name")
+    f.add("--replica-id", "REPLICA_ID", help="default: hostname-pid")
+    f.add("--device", "DEVICE", "cpu")
+    f.add("--scheduler", "SCHEDULER", "sarathi", choices=SCHEDULER_NAMES)
+    f.add("--chunk-size", "CHUNK_SIZE", 512, type=int)
+    f.add("--max-num-batched-tokens", "MAX_NUM_BATCHED_TOKENS", type=int,
+          help="token budget of a step for the unchunked schedulers (vllm, orca, ...); "
+               "default: the model's length limit")
+    f.add("--max-num-seqs", "MAX_NUM_SEQS", 128, type=int)
+    f.add("--num-blocks", "NUM_BLOCKS", type=int,
+          help="KV cache blocks; default: from free memory on CUDA, on the CPU 256 MiB or one "
+               "request of the model's whole length if more")
+    f.add("--block-size", "BLOCK_SIZE", 16, type=int)
+    f.add("--dtype", "DTYPE", help="default: float32 on cpu, bfloat16 on cuda")
+    f.add("--load-format", "LOAD_FORMAT", "auto", choices=("auto", "dummy"))
+    f.add("--quantization", "QUANTIZATION", type=lambda v: v or None, choices=("fp8",),
+          help="fp8: decoder weights in e4m3 with per-channel scales, inputs quantized per "
+               "token (CUDA, compute capability 8.9+; emulated on the CPU). Default: none")
+    f.add("--async-scheduling", "ASYNC_SCHEDULING", "auto", choices=("auto", "on", "off"),
+          help="schedule and prepare the next step while the device runs this one (auto: on "
+               "for CUDA with one rank, off on the CPU)")
+    f.add("--gpu-memory-utilization", "GPU_MEMORY_UTILIZATION", 0.9, type=float)
+    f.add("--no-prefix-caching", "NO_PREFIX_CACHING", False, action="store_true",
+          help="do not reuse cached KV blocks of shared prefixes")
+    f.add("--tensor-parallel-size", "TENSOR_PARALLEL_SIZE", 1, type=int,
+          help="processes (GPUs) holding one model, each a shard; this process is rank 0 and "
+               "starts the others (default 1)")
+    f.add("--prefetch", "PREFETCH", 0, type=int,
+          help="requests to pull beyond free seats (default 0: bind only when a seat is free)")
+    f.add("--drain-timeout", "DRAIN_TIMEOUT_S", 30.0, type=float)
+    f.add("--tls-ca-file", "TLS_CA_FILE", "")
+    f.add("--metrics-port", "REPLICA_METRICS_PORT", 0, type=int)
+    f.add("--threads", "TORCH_THREADS", 0, type=int,
+          help="torch CPU threads (default: all cores on the CPU, 1 on an accelerator); give "
+               "each of N CPU replicas on one machine cores/N so they do not oversubscribe it")
+    f.add("--engine-thread", "ENGINE_THREAD", False, action="store_true",
+          help="step the engine on a thread of this process, not in a process of its own "
+               "(which keeps detokenizing and the router stream off the engine's GIL)")
+    f.check_env()
     a = p.parse_args(argv)
     engine_args = {
         "chunk_size": a.chunk_size,
