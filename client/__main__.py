@@ -17,6 +17,7 @@ import sys
 import grpc
 
 from client.api import FINISH_NAMES, FailoverStream, make_request, metadata, parse_routers
+from common.pb.quadriga.v1 import generation_pb2 as gpb
 
 
 def parse_args(argv=None):
@@ -25,8 +26,8 @@ def parse_args(argv=None):
     p.add_argument("--chat", metavar="QUESTION", help="ask through the OpenAI API instead")
     p.add_argument("--http", default=os.environ.get("QUADRIGA_OPENAI_URL", "http://127.0.0.1:8000/v1"),
                    help="the router's OpenAI API, for --chat")
-    p.add_argument("--router", default=os.environ.get("QUADRIGA_ROUTER_ADDRESS", "127.0.0.1:50051"),
-                   help="HOST:PORT, or several comma-separated (another is tried when one fails)")
+    p.add_argument("--router", help="HOST:PORT, or several comma-separated (another is tried when "
+                                    "one fails); env QUADRIGA_ROUTER_ADDRESS, default 127.0.0.1:50051")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)
@@ -35,22 +36,38 @@ def parse_args(argv=None):
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--request-id", default="")
-    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--priority", type=int, default=0, help="higher is served first")
     p.add_argument("--tls-ca-file", default=os.environ.get("QUADRIGA_TLS_CA_FILE", ""))
-    p.add_argument("--timings", action="store_true", help="print the request's timings at the end")
-    return p.parse_args(argv)
+    p.add_argument("--timings", action="store_true", help="print the request's timings at the end (gRPC)")
+    p.epilog = "The API key, if the router wants one, comes from QUADRIGA_API_KEY (never a flag)."
+    a = p.parse_args(argv)
+    if a.chat is not None and (a.router is not None or a.timings):
+        p.error("--router and --timings are for a prompt sent over gRPC; --chat goes to --http")
+    if a.router is None:
+        a.router = os.environ.get("QUADRIGA_ROUTER_ADDRESS", "127.0.0.1:50051")
+    return a
 
 
 def chat(a) -> int:
     import openai
 
-    client = openai.OpenAI(base_url=a.http, api_key=os.environ.get("QUADRIGA_API_KEY") or "none")
+    http_client = None
+    if a.tls_ca_file:
+        import httpx
+
+        http_client = httpx.Client(verify=a.tls_ca_file)
+    client = openai.OpenAI(base_url=a.http, api_key=os.environ.get("QUADRIGA_API_KEY") or "none",
+                           http_client=http_client)
+    # The OpenAI API's own fields, then the server's extensions; its priority is
+    # lower-first (vLLM's), this flag's higher-first (the gRPC API's).
+    extra = {"top_k": a.top_k, "ignore_eos": a.ignore_eos or None, "priority": -a.priority or None}
     try:
         model = client.models.list().data[0].id
         stream = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": a.chat}], stream=True,
             max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
-            stop=a.stop)
+            stop=a.stop, extra_body={k: v for k, v in extra.items() if v is not None},
+            extra_headers={"X-Request-Id": a.request_id} if a.request_id else None)
         for chunk in stream:
             for choice in chunk.choices:
                 sys.stdout.write(choice.delta.content or "")
@@ -92,16 +109,19 @@ def main(argv=None) -> int:
 
 
 async def _print(stream: FailoverStream, timings: bool) -> int:
+    """0 when the request finished, 1 when it ended in an error."""
+    status = 0
     async for msg in stream:
         sys.stdout.write(msg.text)
         sys.stdout.flush()
         if msg.HasField("finish_reason"):
             print(f"\n[{FINISH_NAMES.get(msg.finish_reason, '?')}]", file=sys.stderr)
-            if msg.error:
+            if msg.error or msg.finish_reason == gpb.FINISH_REASON_ERROR:
                 print(f"error: {msg.error}", file=sys.stderr)
+                status = 1
             if timings:
                 print(msg.timings, file=sys.stderr)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

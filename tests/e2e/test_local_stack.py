@@ -16,12 +16,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @contextlib.contextmanager
-def _running_stack(tmp_path, tiny_model, port: int, *extra: str):
+def _running_stack(tmp_path, tiny_model, port: int, *extra: str, http_port: int | None = None):
     """The stack in a session of its own, read up to its "ready:" line; yields it and
     the lines read, and kills its whole group on the way out if it still runs."""
     stack = subprocess.Popen(
         [sys.executable, "-m", "stack", "--replicas", "2", "--port", str(port),
-         "--metrics-port", str(free_port()), "--http-port", str(free_port()), "--model", str(tiny_model),
+         "--metrics-port", str(free_port()), "--http-port", str(http_port or free_port()),
+         "--model", str(tiny_model),
          "--log-dir", str(tmp_path), *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
@@ -57,9 +58,14 @@ def _assert_nothing_left(port: int, lines: list[str]) -> None:
         assert leftovers.returncode == 1, f"still running: {leftovers.stdout}"
 
 
+def _client(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "client", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
 def test_stack_serves_the_client_cli_and_stops_on_ctrl_c(tmp_path, tiny_model):
-    port = free_port()
-    with _running_stack(tmp_path, tiny_model, port) as (stack, lines):
+    port, http_port = free_port(), free_port()
+    with _running_stack(tmp_path, tiny_model, port, http_port=http_port) as (stack, lines):
         assert any("embedded" in x for x in lines), "no --redis-url: an embedded Redis is started"
         client = subprocess.run(
             [sys.executable, "-m", "client", "--router", f"127.0.0.1:{port}", "café 東京",
@@ -69,6 +75,18 @@ def test_stack_serves_the_client_cli_and_stops_on_ctrl_c(tmp_path, tiny_model):
         assert client.returncode == 0, client.stderr
         assert "[length]" in client.stderr
         assert "output_tokens: 12" in client.stderr
+        # --chat goes through the OpenAI API and carries every flag it can: the
+        # request id makes a second call replay the first's answer.
+        chat = ["--chat", "hello", "--http", f"http://127.0.0.1:{http_port}/v1", "--max-tokens", "6",
+                "--temperature", "1", "--top-k", "3", "--ignore-eos", "--request-id", "chat-1"]
+        first, again = _client(*chat), _client(*chat)
+        assert first.returncode == 0 and "[length]" in first.stderr, first.stderr
+        assert first.stdout and again.stdout == first.stdout
+        refused = _client("--chat", "hello", "--timings")
+        assert refused.returncode == 2 and "--timings" in refused.stderr
+        # A request that ends in an error exits 1.
+        failed = _client("--router", f"127.0.0.1:{port}", "hello", "--max-tokens", "100000")
+        assert failed.returncode == 1 and "INVALID_ARGUMENT" in failed.stderr, failed.stderr
         stack.send_signal(signal.SIGINT)
         _assert_stops_cleanly(stack)
     _assert_nothing_left(port, lines)
