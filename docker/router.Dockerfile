@@ -13,7 +13,7 @@ COPY scripts/pyproject_deps.py scripts/
 # Only the router's runtime dependencies, at the versions pyproject.toml pins.
 RUN python -m venv /opt/venv \
     && python scripts/pyproject_deps.py core \
-       --only grpcio,grpcio-health-checking,grpcio-reflection,protobuf,redis,transformers,tokenizers,prometheus-client,uvloop,fastapi,uvicorn,httptools \
+       --only grpcio,grpcio-health-checking,grpcio-reflection,protobuf,redis,transformers,tokenizers,prometheus-client,uvloop,fastapi,uvicorn,httptools,jinja2 \
        > /tmp/requirements-router.txt \
     && /opt/venv/bin/pip install --no-cache-dir -r /tmp/requirements-router.txt
 

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import platform
 import shlex
 import sys
@@ -84,7 +85,8 @@ def add_workload_args(p):
 
 def add_target_args(p):
     g = p.add_argument_group("system under test")
-    g.add_argument("--router", help="HOST:PORT of a live router")
+    g.add_argument("--router", default=os.environ.get("QUADRIGA_ROUTER_ADDRESS"),
+                   help="HOST:PORT of a live router (env QUADRIGA_ROUTER_ADDRESS)")
     g.add_argument("--metrics-url", help="router's /metrics URL, scraped for quadriga_inflight_requests")
     g.add_argument("--start-stack", action="store_true", help="start `python -m stack` for the run")
     g.add_argument("--policy", default="pull", choices=POLICIES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 from replica_worker.engine.config import SCHEDULER_NAMES
@@ -90,34 +91,43 @@ class _Flags:
 
     def __init__(self, parser: argparse.ArgumentParser) -> None:
         self.parser = parser
-        self._bad_env: list[str] = []
+        self.env_names: list[str] = []
+        self._bad_env: list[tuple[str, str]] = []   # (flag, what is wrong with its variable)
 
     def add(self, flag: str, env: str, default=None, help: str = "", **kw) -> None:
+        self.env_names.append(f"QUADRIGA_{env}")
         value = _env(env)
         if kw.get("action") == "store_true":
             # A switch: QUADRIGA_X=on/off (1/0, true/false, yes/no); the flag turns it on.
             try:
                 kw["default"] = default if value is None else _switch(value)
             except argparse.ArgumentTypeError as exc:
-                self._bad_env.append(f"{flag}: QUADRIGA_{env}: {exc}")
+                self._bad_env.append((flag, f"{flag}: QUADRIGA_{env}: {exc}"))
         else:
             kw["default"] = default if value is None else value
             choices = kw.get("choices")
             if value is not None and choices:
                 converted = kw.get("type", str)(value)
                 if converted is not None and converted not in choices:
-                    self._bad_env.append(f"{flag}: QUADRIGA_{env}={value!r} is not one of "
-                                         f"{', '.join(map(str, choices))}")
+                    self._bad_env.append((flag, f"{flag}: QUADRIGA_{env}={value!r} is not one of "
+                                                f"{', '.join(map(str, choices))}"))
         note = f"env QUADRIGA_{env}"
         self.parser.add_argument(flag, help=f"{help} ({note})" if help else note, **kw)
 
-    def check_env(self) -> None:
-        if self._bad_env:
-            self.parser.error("; ".join(self._bad_env))
+    def check_env(self, argv: list[str]) -> None:
+        """Bad values of variables whose flag argv does not give (the flag wins)."""
+        given = {arg.split("=", 1)[0] for arg in argv}
+        bad = [message for flag, message in self._bad_env if flag not in given]
+        if bad:
+            self.parser.error("; ".join(bad))
 
 
-def parse_args(argv: list[str] | None = None) -> WorkerConfig:
-    """Flags win over environment variables, which win over defaults."""
+def env_names() -> set[str]:
+    """Every environment variable the worker reads, for the docs and the manifests' checks."""
+    return set(_flags().env_names) | {"QUADRIGA_REPLICA_TOKEN"}
+
+
+def _flags() -> _Flags:
     p = argparse.ArgumentParser(prog="python -m replica_worker", description="Quadriga replica worker")
     f = _Flags(p)
     f.add("--router", "ROUTER_ADDRESS", "127.0.0.1:50051")
@@ -160,8 +170,15 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     f.add("--engine-thread", "ENGINE_THREAD", False, action="store_true",
           help="step the engine on a thread of this process, not in a process of its own "
                "(which keeps detokenizing and the router stream off the engine's GIL)")
-    f.check_env()
+    return f
+
+
+def parse_args(argv: list[str] | None = None) -> WorkerConfig:
+    """Flags win over environment variables, which win over defaults."""
+    f = _flags()
+    p = f.parser
     a = p.parse_args(argv)
+    f.check_env(sys.argv[1:] if argv is None else argv)
     engine_args = {
         "chunk_size": a.chunk_size,
         "max_num_seqs": a.max_num_seqs,

@@ -68,8 +68,8 @@ def _router_env_names() -> set[str]:
 
 
 def _worker_env_names() -> set[str]:
-    text = (ROOT / "replica_worker" / "worker" / "config.py").read_text()
-    return {"QUADRIGA_" + n for n in re.findall(r'_env\("([A-Z0-9_]+)"', text)}
+    from replica_worker.worker.config import env_names
+    return env_names()
 
 
 @pytest.mark.parametrize("overlay", [p.name for p in OVERLAYS])

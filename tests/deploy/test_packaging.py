@@ -99,3 +99,35 @@ def test_every_metric_name_is_documented():
     doc = (ROOT / "docs" / "metrics.md").read_text()
     missing = sorted(n for n in names if f"`{n}`" not in doc)
     assert not missing, f"not in docs/metrics.md: {missing}"
+
+
+def _closure(names: list[str]) -> set[str]:
+    """The distributions pip installs for `names`: each one's requirements (markers
+    evaluated here, extras left out), read from this environment's metadata."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen: set[str] = set()
+    todo = [canonicalize_name(Requirement(n).name) for n in names]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for line in metadata.requires(name) or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(canonicalize_name(req.name))
+    return seen
+
+
+def test_the_router_image_renders_chat_templates_without_torch():
+    """The router has no torch, which brings jinja2 everywhere else: chat
+    requests would be refused by apply_chat_template for want of it."""
+    text = re.sub(r"\\\n\s*", " ", (DOCKER / "router.Dockerfile").read_text())
+    call = re.findall(r"python3? \S*pyproject_deps\.py (core[^>&|\n]+)", text)[0]   # the runtime's
+    router_image = _closure(_deps(*shlex.split(call)).stdout.split())
+    assert "jinja2" in router_image
+    assert "torch" not in router_image

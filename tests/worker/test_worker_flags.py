@@ -46,3 +46,8 @@ def test_help_names_every_flags_environment_variable(capsys):
     for name in ("QUADRIGA_ROUTER_ADDRESS", "QUADRIGA_NUM_BLOCKS", "QUADRIGA_NO_PREFIX_CACHING",
                  "QUADRIGA_ENGINE_THREAD", "QUADRIGA_REPLICA_METRICS_PORT", "QUADRIGA_TORCH_THREADS"):
         assert name in out.replace("\n", " ").replace("  ", "")
+
+
+def test_a_flag_wins_over_a_bad_environment_value(monkeypatch):
+    config = parsed(monkeypatch, {"QUADRIGA_ASYNC_SCHEDULING": "maybe"}, "--async-scheduling", "off")
+    assert dict(config.engine_args)["async_scheduling"] is False
