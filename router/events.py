@@ -20,6 +20,7 @@ from the last event applied, with backoff, like every Redis write.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 
 from router.persistence.store import unpack_tokens
@@ -116,24 +117,24 @@ class EventReader:
 
     async def _check_after_outage(self) -> None:
         ids = self.table.stored_queued_ids()
-        for attempt in range(20):
-            try:
-                missing = await self.store.missing(ids)
-            except Exception as exc:
-                log.warning("checking queued requests after a Redis outage failed (%s); "
-                            "retrying", exc)
-                await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
-                continue
-            self.table.resubmit_lost(missing)
-            return
+        missing = await self._until_read(self.store.missing, ids, what="checking queued requests "
+                                         "after a Redis outage")
+        self.table.resubmit_lost(missing)
 
     async def _reload(self, rid: str) -> None:
-        for attempt in range(20):
+        [rec] = await self._until_read(self.store.load_requests, [rid], what=f"reloading request {rid}")
+        self.table.refresh(rid, rec)
+
+    @staticmethod
+    async def _until_read(read, arg, what: str):
+        """read(arg), retried with backoff until Redis answers: giving up would leave
+        a queued request Redis lost unstored (never popped) or a front's request
+        stale for good. A router cut off for longer is fenced and starts over, which
+        cancels these (stop)."""
+        for attempt in itertools.count():
             try:
-                [rec] = await self.store.load_requests([rid])
+                return await read(arg)
             except Exception as exc:
-                log.warning("reloading request %s failed (%s); retrying", rid, exc)
-                await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
-                continue
-            self.table.refresh(rid, rec)
-            return
+                if attempt % 20 == 0:
+                    log.warning("%s failed (%s); retrying until Redis answers", what, exc)
+                await asyncio.sleep(min(0.05 * 2 ** min(attempt, 5), 1.0))
