@@ -102,8 +102,11 @@ class FailoverStream:
     """Streams one request from a list of routers: when a stream breaks
     (its router stopped, died or froze) it calls another router with the same
     request_id, which re-attaches and replays the output from token 0; what
-    was delivered already is skipped, so the caller sees every token once, in
-    order, with output_offset continuing. A request without a request_id gets one.
+    was delivered already is checked against the replay and skipped, so the
+    caller sees every token once, in order, with output_offset continuing (a
+    replay that differs from what was delivered raises ReplayMismatch: the
+    router broke its promise, and hiding it would hide the fault). A request
+    without a request_id gets one.
 
     The first attempt goes to the first router in the list, or, when that one
     is known to be down, to one drawn at random from the others not known to
@@ -133,6 +136,9 @@ class FailoverStream:
         self.health = health if health is not None else RouterHealth()
         self.tokens = 0          # tokens delivered to the caller
         self.chars = 0           # characters of text delivered
+        self._ids: list[int] = []      # the tokens delivered, to check replays against
+        self._text: list[str] = []     # the text delivered, in pieces
+        self.replayed = 0        # tokens a router sent again after a re-attach, checked and skipped
         self.broken: list[str] = []   # how each attempt that broke ended (status names)
         self.attempts: list[tuple[str, float, float, str]] = []   # each that broke: address, start, end, status
         self._rng = random.Random(self.request.request_id)
@@ -187,6 +193,8 @@ class FailoverStream:
                                        timeout=self.attempt_timeout):
             skip_tokens = max(0, self.tokens - msg.output_offset)
             skip_chars = max(0, self.chars - seen_chars)
+            if skip_tokens or skip_chars:
+                self._check_replay(msg, skip_tokens, seen_chars, skip_chars)
             seen_tokens, seen_chars = msg.output_offset + len(msg.token_ids), seen_chars + len(msg.text)
             out = pb.GenerateResponse()
             out.CopyFrom(msg)
@@ -198,4 +206,25 @@ class FailoverStream:
                 continue
             self.tokens = max(self.tokens, seen_tokens)
             self.chars = max(self.chars, seen_chars)
+            self._ids.extend(out.token_ids)
+            if out.text:
+                self._text.append(out.text)
             yield out
+
+    def _check_replay(self, msg, skip_tokens: int, at_char: int, skip_chars: int) -> None:
+        again = list(msg.token_ids[:skip_tokens])
+        had = self._ids[msg.output_offset:msg.output_offset + len(again)]
+        text_again = msg.text[:skip_chars]
+        if len(self._text) > 1:   # joined once a replay, not once a message
+            self._text[:] = ["".join(self._text)]
+        text_had = (self._text[0] if self._text else "")[at_char:at_char + len(text_again)]
+        if again != had or text_again != text_had:
+            raise ReplayMismatch(
+                f"request {self.request.request_id}: the replay after a re-attach differs from "
+                f"what was delivered (tokens at {msg.output_offset}: {again[:8]} against {had[:8]}; "
+                f"text at {at_char}: {text_again[:40]!r} against {text_had[:40]!r})")
+        self.replayed += len(again)
+
+
+class ReplayMismatch(RuntimeError):
+    """A router replayed output that differs from what the stream already delivered."""

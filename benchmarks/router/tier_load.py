@@ -5,7 +5,8 @@ i mod N, so clients spread over the routers), one shared channel a router.
 
 Prints one JSON object: a record per request (send time, TTFT, end, tokens,
 whether the output is exactly the simulated replicas' rule, duplicated
-tokens, attempts that broke, the router's timings).
+tokens, tokens replayed after a re-attach (checked equal by the client; one
+that differs fails the request), attempts that broke, the router's timings).
 
     python -m benchmarks.router.tier_load --routers A,B --rate 300 --duration 8 \
         --vocab 512 --output-tokens 64 --seed 1
@@ -63,6 +64,7 @@ async def one(routers, index, prompt, args, channels, health, start, out):
     rec["tokens"] = len(tokens)
     rec["exact"] = tokens == expected_tokens(prompt, args.output_tokens, args.vocab)
     rec["broken"] = stream.broken
+    rec["replayed"] = stream.replayed
     rec["first"] = routers.index(order[0])
     rec["attempts"] = [(routers.index(a), round(s - start, 4), round(e - start, 4), c)
                        for a, s, e, c in stream.attempts]

@@ -43,6 +43,15 @@ def test_failover_still_high_at_the_end_is_not_recovered():
     assert s["recovery_s"] == 3.5
 
 
+def test_one_last_good_window_is_not_a_recovery():
+    """Back under the bound only in the last whole window: the run ended before
+    a recovery could show (the rule wants RECOVERY_HOLD_S of normal windows)."""
+    recs = _records(lambda t: 0.4 if 2.0 <= t < 5.0 else 0.04, end_s=6.0)
+    s = failover_summary(dict(records=recs, killed_at_s=2.0, offered_rps=100.0), window_s=0.5)
+    assert s["recovery_s"] == 3.0
+    assert s["recovered_within_run"] is False
+
+
 def test_a_request_that_failed_counts_as_lost():
     recs = _records(lambda t: 0.04, end_s=1.0)
     recs[3]["exact"] = False

@@ -5,8 +5,9 @@ spread over the others, and new streams pass a failed router over."""
 import asyncio
 
 import grpc
+import pytest
 
-from client.api import FailoverStream, RouterHealth, make_request
+from client.api import FailoverStream, ReplayMismatch, RouterHealth, make_request
 from common.pb.quadriga.v1 import generation_pb2 as pb
 from common.pb.quadriga.v1 import generation_pb2_grpc
 
@@ -18,8 +19,9 @@ class ScriptedRouter(generation_pb2_grpc.GenerationServicer):
     replays), one message each. break_after: aborts UNAVAILABLE after that many
     tokens. hang_after: stops sending after that many (a router about to die)."""
 
-    def __init__(self, break_after: int | None = None, hang_after: int | None = None):
+    def __init__(self, break_after: int | None = None, hang_after: int | None = None, shift: int = 0):
         self.break_after, self.hang_after = break_after, hang_after
+        self.shift = shift   # added to every token: a router whose replay differs
         self.calls = 0
         self.hanging = 0
 
@@ -32,7 +34,8 @@ class ScriptedRouter(generation_pb2_grpc.GenerationServicer):
                 self.hanging += 1
                 await asyncio.Event().wait()
             last = i == TOKENS - 1
-            msg = pb.GenerateResponse(request_id=request.request_id, token_ids=[i], output_offset=i)
+            msg = pb.GenerateResponse(request_id=request.request_id, token_ids=[i + self.shift],
+                                      output_offset=i, text=f"<{i + self.shift}>")
             if last:
                 msg.finish_reason = pb.FINISH_REASON_LENGTH
             yield msg
@@ -111,5 +114,32 @@ def test_when_every_router_is_down_it_waits_and_cycles_in_order(arun):
         finally:
             for server, _ in servers:
                 await server.stop(None)
+
+    arun(scenario())
+
+
+@pytest.mark.parametrize("shift", [0, 100], ids=["same replay", "replay differs"])
+def test_a_replay_is_checked_against_what_was_delivered(arun, shift):
+    """The second router replays from token 0: an equal replay is skipped (and
+    counted), one that differs is the router's fault and fails the stream."""
+    async def scenario():
+        first, a = await serve(ScriptedRouter(break_after=3))
+        second, b = await serve(ScriptedRouter(shift=shift))
+        try:
+            stream = FailoverStream([a, b], make_request([1, 2], request_id="r", max_tokens=TOKENS),
+                                    retry_delay=0.01)
+            tokens, text = [], ""
+            try:
+                async for msg in stream:
+                    tokens.extend(msg.token_ids)
+                    text += msg.text
+            except ReplayMismatch as exc:
+                assert shift and "differs" in str(exc) and tokens == [0, 1, 2]
+                return
+            assert not shift and tokens == list(range(TOKENS)) and stream.replayed == 3
+            assert text == "".join(f"<{i}>" for i in range(TOKENS))
+        finally:
+            await first.stop(None)
+            await second.stop(None)
 
     arun(scenario())
