@@ -53,13 +53,21 @@ class Result:
     def ok(self) -> bool:
         return not self.error and self.finish_reason in ("length", "stop")
 
+    # From the planned arrival, not the send: a load generator whose loop stalls
+    # sends late, and timing from the late send would leave the stall out of the
+    # latency a client arriving on time sees (coordinated omission).
     @property
     def ttft(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.sent_s
+        return None if self.first_token_s is None else self.first_token_s - self.scheduled_s
 
     @property
     def e2e(self) -> float | None:
-        return None if self.finished_s is None else self.finished_s - self.sent_s
+        return None if self.finished_s is None else self.finished_s - self.scheduled_s
+
+    @property
+    def send_lag(self) -> float:
+        """How late the load generator sent it."""
+        return self.sent_s - self.scheduled_s
 
     @property
     def tbts(self) -> list[float]:
@@ -132,9 +140,9 @@ async def _conversation(stub, turns: list[Request], results: list[Result], t0: f
     await _sleep_until(t0, turns[0].arrival_s)
     context: list[int] = []
     for k, (req, res) in enumerate(zip(turns, results)):
-        if k:
-            await asyncio.sleep(req.think_s)
-        res.scheduled_s = time.monotonic() - t0
+        if k:   # planned: the previous answer, then the user's think time
+            res.scheduled_s = results[k - 1].finished_s + req.think_s
+            await _sleep_until(t0, res.scheduled_s)
         answer: list[int] = []
         await _send(stub, req, res, t0, *args, prompt=context + req.prompt_token_ids, answer=answer)
         if not res.ok or res.output_tokens != req.output_len:

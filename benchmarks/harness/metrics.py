@@ -84,7 +84,8 @@ def aggregate(results, wall_s: float, slo: SLO) -> dict:
         "admitted_req_s": admitted,
         "goodput": {"slo": slo.__dict__, "share": len(good) / len(results) if results else None,
                     "req_s": len(good) / span},
-        "ttft_s": _stats(r.ttft for r in ok),
+        "ttft_s": _stats(r.ttft for r in ok),   # from the planned arrival (loadgen.Result.ttft)
+        "send_lag_s": _stats(getattr(r, "send_lag", None) for r in results if r.sent_s),
         "tbt_s": summarize(tbts),
         "e2e_s": _stats(r.e2e for r in ok),
         "e2e_per_output_token_s": _stats(r.e2e / r.output_tokens for r in ok if r.output_tokens),

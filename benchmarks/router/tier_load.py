@@ -3,7 +3,8 @@ open loop of Poisson arrivals, each a 64-token stream followed with
 client.api.FailoverStream over every router (request i starts at router
 i mod N, so clients spread over the routers), one shared channel a router.
 
-Prints one JSON object: a record per request (send time, TTFT, end, tokens,
+Prints one JSON object: a record per request (planned send time and how late
+it went, TTFT and end from the planned time, tokens,
 whether the output is exactly the simulated replicas' rule, duplicated
 tokens, tokens replayed after a re-attach (checked equal by the client; one
 that differs fails the request), attempts that broke, the router's timings).
@@ -31,15 +32,19 @@ def expected_tokens(prompt, n: int, vocab: int) -> list[int]:
     return [(base + i) % vocab for i in range(n)]
 
 
-async def one(routers, index, prompt, args, channels, health, start, out):
+async def one(routers, index, prompt, args, channels, health, start, planned, out):
+    """One stream; its TTFT and end count from `planned` (perf_counter), its arrival in the
+    plan, not from when this task got to run: a generator whose loop stalls sends late, and
+    the stall must not drop out of the latency (coordinated omission)."""
     order = routers[index % len(routers):] + routers[:index % len(routers)]
     request = make_request(prompt, request_id=f"{args.seed}-{index}", max_tokens=args.output_tokens,
                            ignore_eos=True, temperature=0.0, stream_interval=args.stream_interval)
     stream = FailoverStream(order, request, channels=channels, health=health, attempt_timeout=120,
                             retry_delay=0.05)
-    sent = time.perf_counter()
-    rec = dict(i=index, sent=sent - start, ttft=None, end=None, tokens=0, exact=False,
-               duplicated=0, broken=[], error="", gaps_ms=[])
+    sent = planned
+    rec = dict(i=index, sent=planned - start, send_lag=round(time.perf_counter() - planned, 6),
+               ttft=None, end=None, tokens=0, exact=False, duplicated=0, broken=[], error="",
+               gaps_ms=[])
     tokens = []
     last = None
     try:
@@ -92,7 +97,7 @@ async def run(args) -> dict:
         if delay > 0.0005:
             await asyncio.sleep(delay)
         tasks.append(loop.create_task(one(routers, args.first_index + i, prompt, args, channels,
-                                          health, start, out)))
+                                          health, start, start + at, out)))
     send_window = time.perf_counter() - start
     await asyncio.gather(*tasks)
     for channel in channels.values():

@@ -35,6 +35,8 @@ DEFINITIONS = {
                          "construction: the client skips a replay after checking it equals what "
                          "it delivered, and a replay that differs fails the request, so it is lost)",
     "replayed_tokens": "tokens routers sent again after a re-attach, checked equal and skipped",
+    "send_lag_p99_ms": "how late the load generator sent its requests (TTFT and e2e count from "
+                       "the planned send, so a late send adds to them rather than hiding)",
     "recovery_s": "failover: from the kill to the start of the first window after which every "
                   "window's p99 TTFT is within 1.5x (+50 ms) of the p99 before the kill",
     "recovered_within_run": "failover: true only when the windows after recovery_s cover at least "
@@ -71,6 +73,7 @@ def rate_summary(result: dict, added_limit_ms: float) -> dict:
                added_ttft_p50_ms=_ms(added, 0.5), added_ttft_p99_ms=_ms(added, 0.99),
                e2e_p50_ms=_ms([r["end"] for r in done], 0.5),
                e2e_p99_ms=_ms([r["end"] for r in done], 0.99),
+               send_lag_p99_ms=_ms([r["send_lag"] for r in recs if "send_lag" in r], 0.99),
                errors=sorted({r["error"] for r in recs if r["error"]})[:5])
     drain = 2.0 + 2 * (row["e2e_p50_ms"] or 0.0) / 1e3
     row["sustained"] = bool(recs) and lost == 0 and finished <= window + drain \

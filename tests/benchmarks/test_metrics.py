@@ -9,12 +9,13 @@ from benchmarks.harness.loadgen import Result
 from benchmarks.harness.metrics import SLO, aggregate, inflight_timeline, meets_slo, write_csv, write_summary_csv
 
 
-def make(i, sent, first, gaps, replica="r0", out=None, error=""):
+def make(i, sent, first, gaps, replica="r0", out=None, error="", planned=None):
+    """planned: its arrival in the plan (default: sent on time)."""
     times = [first]
     for g in gaps:
         times.append(times[-1] + g)
     n = len(times)
-    r = Result(i, 10, out or n, 0.0, sent_s=sent, first_token_s=first, finished_s=times[-1],
+    r = Result(i, 10, out or n, sent if planned is None else planned, sent_s=sent, first_token_s=first, finished_s=times[-1],
                token_times=times, output_tokens=n, finish_reason="error" if error else "length", error=error,
                server_queue_s=0.01 * i, server_sched_delay_s=0.02 * i, server_ttft_s=first - sent,
                server_e2e_s=times[-1] - sent, replica=replica, preemptions=i % 2, requeues=0)
@@ -53,6 +54,15 @@ def test_aggregate():
     assert s["requests_per_replica"] == {"r0": 2, "r1": 1}
     assert s["preemptions"] == 1
     assert s["server_scheduling_delay_s"]["p50"] == pytest.approx(0.02)
+
+
+def test_latency_counts_from_the_planned_arrival():
+    """A load generator that sent late (its loop stalled) does not shorten the
+    TTFT a client arriving on time sees; the lag is reported beside it."""
+    late = make(0, 0.3, 0.35, [0.05], planned=0.0)
+    s = aggregate([late], 1.0, SLO(ttft_s=1.0, tbt_s=1.0, tbt_stat="max"))
+    assert late.ttft == pytest.approx(0.35) and late.e2e == pytest.approx(0.4)
+    assert s["ttft_s"]["max"] == pytest.approx(0.35) and s["send_lag_s"]["max"] == pytest.approx(0.3)
 
 
 def test_csv_and_timeline(tmp_path):
