@@ -23,10 +23,14 @@ FIGURES = ("capacity_req_s", "ttft_p50_s", "ttft_p99_s", "tbt_p99_s", "throughpu
 
 
 def rows_of(result: dict, path: str):
-    """(policy, {figure: value}) of a compare result (each load's rows) or a capacity search."""
+    """(policy, {figure: value}) of a compare result (each load's rows) or a capacity search.
+    A compare run of several loads names each row "policy @ load": a policy's figures
+    at 70% and at 90% are not repeats of one another."""
     if result.get("kind") == "compare":
-        for by_policy in result["table"].values():
-            yield from by_policy.items()
+        table = result["table"]
+        for load, by_policy in table.items():
+            for policy, row in by_policy.items():
+                yield (policy if len(table) == 1 else f"{policy} @ {load}"), row
     elif result.get("kind") == "capacity":
         yield result["target"]["policy"], {"capacity_req_s": result["capacity_req_s"]}
     else:

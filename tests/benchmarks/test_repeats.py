@@ -69,3 +69,13 @@ def test_capacity_of_multi_turn_runs_is_labelled_in_conversations(tmp_path):
     assert unit([capacity_json("c.json", "shared-prefix")]) == "req/s"
     mixed = [capacity_json("d.json", "multi-turn"), capacity_json("e.json", "shared-prefix")]
     assert unit(mixed) == "req/s or conversations/s"
+
+
+def test_each_load_of_a_compare_run_is_its_own_row(tmp_path):
+    path = tmp_path / "two_loads.json"
+    path.write_text(json.dumps({"kind": "compare", "table": {
+        "70%": {"pull": {"ttft_p99_s": 0.2}}, "90%": {"pull": {"ttft_p99_s": 0.6}}}}))
+    assert repeats.main(str(tmp_path / "out"), [str(path)]) == 0
+    table = json.loads((tmp_path / "out.json").read_text())["table"]["all"]
+    assert table["pull @ 70%"]["ttft_p99_s"]["values"] == [0.2]
+    assert table["pull @ 90%"]["ttft_p99_s"]["values"] == [0.6]
