@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 
 def build_worker(config: WorkerConfig) -> ReplicaWorker:
+    log.info("starting the engine: %s on %s", config.model_name, config.device)
     engine_cfg = engine_config(
         config.model, scheduler=config.scheduler, device=config.device, **dict(config.engine_args)
     )

@@ -99,12 +99,15 @@ class ReplicaWorker:
     # ---- lifecycle ----
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
-        if self.config.metrics_port:
-            self.metrics.serve(self.config.metrics_port)
-        self.engine_loop.start()
-        pump = asyncio.create_task(self._pump_reports())
-        sessions = asyncio.create_task(self._connect_forever())
+        pump = sessions = None
         try:
+            # Inside the try: a failure here (a metrics port taken) still stops the
+            # engine, which would otherwise keep the process from exiting.
+            if self.config.metrics_port:
+                self.metrics.serve(self.config.metrics_port)
+            self.engine_loop.start()
+            pump = asyncio.create_task(self._pump_reports())
+            sessions = asyncio.create_task(self._connect_forever())
             await asyncio.wait({pump, sessions}, return_when=asyncio.FIRST_COMPLETED)
             if pump.done():
                 # Reports are how output leaves: with the pump gone the worker would
@@ -115,9 +118,10 @@ class ReplicaWorker:
                 raise RuntimeError("the engine's reports stopped being read")
             sessions.result()
         finally:
-            for task in (pump, sessions):
+            tasks = [t for t in (pump, sessions) if t is not None]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(pump, sessions, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             self.engine_loop.stop()
 
     def begin_drain(self) -> None:

@@ -201,3 +201,77 @@ def wait_for(condition, timeout: float) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def _replica_process(model, *flags: str):
+    """`python -m replica_worker` with no router to reach, in a session of its own,
+    its output merged; read its lines from .stdout."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.Popen([sys.executable, "-m", "replica_worker", "--router", "127.0.0.1:1",
+                             "--model", str(model), "--replica-id", "x", "--threads", "1", *flags],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _group_gone(pgid: int) -> bool:
+    import subprocess
+
+    return subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True).returncode == 1
+
+
+def test_a_worker_that_fails_after_its_engine_started_exits_and_leaves_no_engine(tiny_model):
+    """A metrics port already taken fails the worker once its engine process runs:
+    it exits non-zero at once (a supervisor restarts it) instead of waiting at
+    exit on an engine process that lives on."""
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("0.0.0.0", 0))
+    busy.listen(1)
+    worker = _replica_process(tiny_model, "--metrics-port", str(busy.getsockname()[1]))
+    try:
+        assert worker.wait(60) == 1
+        assert "Address already in use" in worker.stdout.read()
+        wait_for(lambda: _group_gone(worker.pid), 20)
+    finally:
+        busy.close()
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("when", ["while its engine builds", "once ready"])
+def test_sigterm_drains_and_exits_0_whenever_it_comes(tiny_model, when):
+    """During the build too: the stop waits for the engine, then drains nothing."""
+    worker = _replica_process(tiny_model)
+    try:
+        for line in worker.stdout:
+            if ("starting the engine" in line) if when != "once ready" else ("engine ready" in line):
+                break
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 0, worker.stdout.read()
+        wait_for(lambda: _group_gone(worker.pid), 20)
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+
+
+def test_a_signal_to_the_whole_group_drains_a_tensor_parallel_replica_on_its_thread(tiny_model):
+    """systemd and a terminal signal the whole process group: with the engine on
+    the worker's thread, rank 1 is the worker's own child, and it must leave the
+    stop to rank 0 (it used to die of the signal, ending the replica with 70)."""
+    worker = _replica_process(tiny_model, "--tensor-parallel-size", "2", "--engine-thread")
+    try:
+        for line in worker.stdout:
+            if "engine ready" in line:
+                break
+        time.sleep(1.5)   # in its reconnect loop: its drain ends at the next try, not at once
+        os.killpg(worker.pid, signal.SIGTERM)
+        assert worker.wait(60) == 0, worker.stdout.read()
+        wait_for(lambda: _group_gone(worker.pid), 20)
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)

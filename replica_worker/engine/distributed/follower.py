@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 
@@ -48,6 +49,11 @@ def _exit_with_leader(fd: int, rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    # A stop is rank 0's to run (a worker drains on SIGTERM or Ctrl-C): a rank that
+    # died of a signal sent to the whole process group (systemd, a terminal) would
+    # end the replica mid-drain. It ends with rank 0 (_exit_with_leader).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s tp rank {args.rank} %(levelname)s %(message)s")
     threading.Thread(target=_exit_with_leader, args=(args.life_fd, args.rank), daemon=True).start()
