@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import threading
 import time
 
 import grpc
@@ -27,7 +29,7 @@ from replica_worker.worker.coalescing import DeltaCoalescer
 from replica_worker.worker.config import WorkerConfig
 from replica_worker.worker.credit import PullCredit
 from replica_worker.engine.output_text import OutputTexts
-from replica_worker.worker.engine_loop import AbortRequest, EngineLoop, EngineReport
+from replica_worker.worker.engine_loop import DEVICE_FAILED_EXIT, AbortRequest, EngineLoop, EngineReport
 from replica_worker.worker.engine_process import EngineProcess
 from replica_worker.worker.kv_mirror import KVMirror
 from replica_worker.worker.metrics import ReplicaMetrics
@@ -35,11 +37,20 @@ from replica_worker.worker.session_state import RequestBook
 
 log = logging.getLogger(__name__)
 
+
+def _exit_now(status: int) -> None:
+    """The replica ends as its engine did; a supervisor restarts it."""
+    log.critical("the engine is gone; the replica exits with status %d", status)
+    logging.shutdown()
+    os._exit(status)
+
 # How long closing a router channel may take (_close).
 CHANNEL_CLOSE_TIMEOUT_S = 5.0
 # Messages to the router that may wait while gRPC applies flow control; past it the
 # stream is dropped and re-established (the unacknowledged deltas are resent).
 OUTBOX_LIMIT = 10_000
+# A replica whose engine died hands its work back, then exits within this at most.
+ENGINE_DEATH_GRACE_S = 2.0
 # How long a router may take to answer Register (its join writes to Redis, which
 # it retries through an outage) before the stream counts as broken.
 REGISTER_REPLY_TIMEOUT_S = 15.0
@@ -69,10 +80,11 @@ class ReplicaWorker:
                                max_pending=2 * max(1, capacity_msg.num_kv_blocks))
         if isinstance(engine, EngineProcess):
             # The engine steps in its own process; detokenizing is done here.
-            self.engine_loop = engine.attach(self._on_report_from_thread)
+            self.engine_loop = engine.attach(self._on_report_from_thread, on_exit=self._engine_died)
             self.texts: OutputTexts | None = engine.output_texts
         else:
-            self.engine_loop = EngineLoop(engine, self._on_report_from_thread)
+            self.engine_loop = EngineLoop(engine, self._on_report_from_thread,
+                                          on_device_failure=self._engine_failed)
             self.texts = None  # the engine detokenizes
         self._reports: asyncio.Queue[EngineReport] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -95,6 +107,37 @@ class ReplicaWorker:
     # ---- engine thread -> event loop ----
     def _on_report_from_thread(self, report: EngineReport) -> None:
         self._loop.call_soon_threadsafe(self._reports.put_nowait, report)
+
+    # ---- the engine cannot go on ----
+    def _engine_failed(self, exc: BaseException) -> None:
+        """EngineLoop's on_device_failure (the engine on this process's thread)."""
+        log.critical("engine cannot go on (%s)", exc)
+        self._engine_died(DEVICE_FAILED_EXIT)
+
+    def _engine_died(self, status: int) -> None:
+        """From the engine's thread or its report reader: the engine is gone. The
+        replica ends with `status` (its supervisor restarts it), but first hands
+        every request in hand back, so the router resumes them now rather than a
+        lease later. Best effort, bounded: the exit comes within ENGINE_DEATH_GRACE_S
+        whatever the stream does, and a hand-back that never arrives leaves the
+        lease to lapse, as before."""
+        threading.Timer(ENGINE_DEATH_GRACE_S, _exit_now, args=(status,)).start()
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            _exit_now(status)
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._hand_back_then_exit(status)))
+
+    async def _hand_back_then_exit(self, status: int) -> None:
+        try:
+            ids = self.book.unfinished
+            if ids and self._outbox is not None:
+                self._hand_back(ids)
+                outbox = self._outbox
+                while outbox is self._outbox and not outbox.empty():
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.1)   # the last write leaves the process
+        finally:
+            _exit_now(status)
 
     # ---- lifecycle ----
     async def run(self) -> None:

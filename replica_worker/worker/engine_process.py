@@ -75,9 +75,13 @@ class EngineProcess:
                 from None
 
     # ---- the EngineLoop interface the worker drives ----
-    def attach(self, on_report: Callable[[EngineReport], None]) -> "EngineProcess":
+    def attach(self, on_report: Callable[[EngineReport], None],
+               on_exit: Callable[[int], None] | None = None) -> "EngineProcess":
         """Reports go to on_report, from a thread of this process's own (as
-        EngineLoop's do from the engine thread)."""
+        EngineLoop's do from the engine thread); on_exit, if given, replaces
+        what runs when the engine process ends while still needed."""
+        if on_exit is not None:
+            self._on_exit = on_exit
         self._reader = threading.Thread(target=self._read_reports, args=(on_report,),
                                         name="engine-reports", daemon=True)
         return self

@@ -100,6 +100,32 @@ def test_replica_killed_mid_generation_loses_nothing(live_stack, hf_reference, p
     assert requeued > 0, "the kill should have moved some requests to r1"
 
 
+def test_a_replica_whose_engine_dies_hands_its_work_back_at_once(live_stack, hf_reference):
+    """kill -9 of the engine process: the worker hands every request in hand back
+    before it exits 70, so the router resumes them now, not a 30-s lease later."""
+    import os
+
+    from common.redis_server import free_port
+    from tests.support.live_stack import engine_pid
+
+    metrics_port = free_port()
+    stack = live_stack("pull", router_args=("--metrics-port", str(metrics_port), "--lease-ttl", "30"))
+    for rid in ("r0", "r1"):
+        stack.start_replica(rid, "--max-num-seqs", "4", wait=False)
+    stack.wait_registered("r0", "r1")
+    max_tokens = 300
+
+    async def kill_r0s_engine():
+        os.kill(engine_pid(stack.replicas["r0"]), signal.SIGKILL)
+
+    results = asyncio.run(generate_and_fail_midway(stack.address, PROMPTS, max_tokens, kill_r0s_engine))
+    assert requeues_of_exact_results(PROMPTS, results, hf_reference, max_tokens) > 0
+    assert stack.replicas["r0"].proc.wait(30) == 70
+    assert replica_metric(metrics_port, 'quadriga_requeues_total{reason="hand_back"}'), \
+        "the requests came back by a hand-back"
+    assert not replica_metric(metrics_port, 'quadriga_requeues_total{reason="lease_expired"}')
+
+
 def test_replica_joining_under_load_takes_work(live_stack, hf_reference):
     stack = live_stack("pull")
     # One seat, and r0's engine paused while r1 starts: r1 joins while r0 is
