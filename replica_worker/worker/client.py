@@ -51,6 +51,10 @@ CHANNEL_CLOSE_TIMEOUT_S = 5.0
 OUTBOX_LIMIT = 10_000
 # A replica whose engine died hands its work back, then exits within this at most.
 ENGINE_DEATH_GRACE_S = 2.0
+# An engine that holds requests steps, and reports, continually: one silent this long is
+# stuck (a tensor-parallel rank frozen in a collective waits out its 10-30 min timeout,
+# while this worker's heartbeats would renew the leases of work that never moves).
+ENGINE_STALL_S = 120.0
 # How long a router may take to answer Register (its join writes to Redis, which
 # it retries through an outage) before the stream counts as broken.
 REGISTER_REPLY_TIMEOUT_S = 15.0
@@ -94,6 +98,7 @@ class ReplicaWorker:
         self._rng = random.Random(config.replica_id)
         self._address: str | None = None   # the router dialled last
         self._last_report: EngineReport | None = None
+        self._last_report_at = time.monotonic()
         self._lease_ttl_s = 10.0
         self._heartbeat_s = 1.0
         self._disconnected_at: float | None = None
@@ -127,6 +132,16 @@ class ReplicaWorker:
             _exit_now(status)
         loop.call_soon_threadsafe(lambda: loop.create_task(self._hand_back_then_exit(status)))
 
+    async def _watch_engine(self) -> None:
+        while True:
+            await asyncio.sleep(min(ENGINE_STALL_S / 4, 5.0))
+            report, silent = self._last_report, time.monotonic() - self._last_report_at
+            if report is not None and report.request_ids and silent > ENGINE_STALL_S:
+                log.critical("the engine holds %d requests and has reported nothing for %.0f s: "
+                             "it is stuck", len(report.request_ids), silent)
+                self._engine_died(DEVICE_FAILED_EXIT)
+                return
+
     async def _hand_back_then_exit(self, status: int) -> None:
         try:
             ids = self.book.unfinished
@@ -142,7 +157,7 @@ class ReplicaWorker:
     # ---- lifecycle ----
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
-        pump = sessions = None
+        pump = sessions = watchdog = None
         try:
             # Inside the try: a failure here (a metrics port taken) still stops the
             # engine, which would otherwise keep the process from exiting.
@@ -151,6 +166,7 @@ class ReplicaWorker:
             self.engine_loop.start()
             pump = asyncio.create_task(self._pump_reports())
             sessions = asyncio.create_task(self._connect_forever())
+            watchdog = asyncio.create_task(self._watch_engine())
             await asyncio.wait({pump, sessions}, return_when=asyncio.FIRST_COMPLETED)
             if pump.done():
                 # Reports are how output leaves: with the pump gone the worker would
@@ -161,7 +177,7 @@ class ReplicaWorker:
                 raise RuntimeError("the engine's reports stopped being read")
             sessions.result()
         finally:
-            tasks = [t for t in (pump, sessions) if t is not None]
+            tasks = [t for t in (pump, sessions, watchdog) if t is not None]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -530,6 +546,7 @@ class ReplicaWorker:
         while True:
             report = await self._reports.get()
             self._last_report = report
+            self._last_report_at = time.monotonic()
             self.metrics.observe(report)
             self._send_report(report)
             self._check_drained()

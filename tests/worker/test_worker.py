@@ -7,6 +7,7 @@ import asyncio
 from common.pb.quadriga.v1 import generation_pb2 as gpb
 from common.pb.quadriga.v1 import replica_pb2 as pb
 from common.pb.quadriga.v1 import replica_pb2_grpc
+from replica_worker.worker import client
 from tests.worker.fakes import FakeEngine, Wired, assignment, make_worker, serve_router
 
 
@@ -242,4 +243,26 @@ def test_a_drain_asked_for_while_registering_still_ends_the_stream():
             assert half_closed == [True]
         finally:
             await server.stop(None)
+    run(main())
+
+
+def test_an_engine_that_holds_work_and_reports_nothing_is_taken_for_dead(monkeypatch):
+    """A tensor-parallel rank frozen inside a collective leaves the engine silent
+    for the collective's timeout (10-30 min) while the worker's heartbeats renew
+    the leases; past ENGINE_STALL_S the worker hands the work back and exits."""
+    monkeypatch.setattr(client, "ENGINE_STALL_S", 0.2)
+
+    async def main():
+        engine = FakeEngine(seats=4, length=10**9)
+        worker = make_worker(engine)
+        died = []
+        worker._engine_died = died.append
+        async with Wired(worker):
+            engine.hold = True   # it stops stepping with the request in hand
+            assign(worker, assignment("a", max_tokens=10))
+            worker.engine_loop.request_report()
+            await asyncio.sleep(0.1)
+            assert worker._last_report is not None and worker._last_report.request_ids == ("a",)
+            await asyncio.wait_for(worker._watch_engine(), 5)
+        assert died == [70]
     run(main())
