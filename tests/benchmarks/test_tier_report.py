@@ -57,3 +57,10 @@ def test_a_request_that_failed_counts_as_lost():
     recs[3]["exact"] = False
     s = failover_summary(dict(records=recs, killed_at_s=0.5, offered_rps=100.0), window_s=0.5)
     assert s["lost"] == 1
+
+
+def test_router_benchmark_percentiles_are_numpys():
+    """Not the value one rank high (p99 of 1..100 was 100, the median of 1..4 was 3)."""
+    from benchmarks.router.overhead import pct
+
+    assert pct(list(range(1, 101)), 0.99) == 99.01 and pct([1, 2, 3, 4], 0.5) == 2.5
