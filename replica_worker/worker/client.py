@@ -37,13 +37,6 @@ from replica_worker.worker.session_state import RequestBook
 
 log = logging.getLogger(__name__)
 
-
-def _exit_now(status: int) -> None:
-    """The replica ends as its engine did; a supervisor restarts it."""
-    log.critical("the engine is gone; the replica exits with status %d", status)
-    logging.shutdown()
-    os._exit(status)
-
 # How long closing a router channel may take (_close).
 CHANNEL_CLOSE_TIMEOUT_S = 5.0
 # Messages to the router that may wait while gRPC applies flow control; past it the
@@ -62,6 +55,13 @@ REGISTER_REPLY_TIMEOUT_S = 15.0
 # Statuses at registration that no retry can fix: exit instead of reconnecting.
 FATAL_CODES = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
+
+
+def _exit_now(status: int) -> None:
+    """The replica ends as its engine did; a supervisor restarts it."""
+    log.critical("the engine is gone; the replica exits with status %d", status)
+    logging.shutdown()
+    os._exit(status)
 
 
 class FatalRegistrationError(RuntimeError):
