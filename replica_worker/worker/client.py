@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import threading
 import time
@@ -29,7 +28,8 @@ from replica_worker.worker.coalescing import DeltaCoalescer
 from replica_worker.worker.config import WorkerConfig
 from replica_worker.worker.credit import PullCredit
 from replica_worker.engine.output_text import OutputTexts
-from replica_worker.worker.engine_loop import DEVICE_FAILED_EXIT, AbortRequest, EngineLoop, EngineReport
+from replica_worker.worker.engine_loop import (DEVICE_FAILED_EXIT, AbortRequest, EngineLoop, EngineReport,
+                                                exit_now)
 from replica_worker.worker.engine_process import EngineProcess
 from replica_worker.worker.kv_mirror import KVMirror
 from replica_worker.worker.metrics import ReplicaMetrics
@@ -58,10 +58,8 @@ FATAL_CODES = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIE
 
 
 def _exit_now(status: int) -> None:
-    """The replica ends as its engine did; a supervisor restarts it."""
     log.critical("the engine is gone; the replica exits with status %d", status)
-    logging.shutdown()
-    os._exit(status)
+    exit_now(status)
 
 
 class FatalRegistrationError(RuntimeError):

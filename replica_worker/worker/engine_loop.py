@@ -79,14 +79,20 @@ def is_fatal_device_error(exc: BaseException) -> bool:
     return isinstance(exc, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(exc)
 
 
+def exit_now(status: int) -> None:
+    """Ends the process at once, its log flushed; a supervisor (Kubernetes, compose)
+    restarts it."""
+    logging.shutdown()
+    os._exit(status)
+
+
 def exit_process(exc: BaseException) -> None:
     """Ends the replica at once, as a crash would: its stream drops, and the router
     requeues its requests (with the tokens they already have) onto other replicas
-    instead of failing them here. A supervisor (Kubernetes, compose) restarts it."""
+    instead of failing them here."""
     log.critical("engine cannot go on (%s); exiting with status %d so the router moves this "
                  "replica's requests elsewhere", exc, DEVICE_FAILED_EXIT)
-    logging.shutdown()
-    os._exit(DEVICE_FAILED_EXIT)
+    exit_now(DEVICE_FAILED_EXIT)
 
 
 class EngineLoop:

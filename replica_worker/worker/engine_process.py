@@ -32,7 +32,7 @@ from typing import Callable
 from replica_worker.engine.config import EngineConfig
 from replica_worker.engine.output_text import OutputTexts
 from replica_worker.worker import engine_wire
-from replica_worker.worker.engine_loop import DEVICE_FAILED_EXIT, EngineLoop, EngineReport, exit_process
+from replica_worker.worker.engine_loop import DEVICE_FAILED_EXIT, EngineLoop, EngineReport, exit_now, exit_process
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class EngineProcess:
         child_conn.close()
         self.info = self._wait_for_info()
         self.output_texts = OutputTexts(tokenizer) if tokenizer is not None else None
-        self._on_exit = on_exit or _exit_like
+        self._on_exit = on_exit or exit_now   # the replica ends as its engine did
         self._send_lock = threading.Lock()
         self._stopping = False
         self._reader: threading.Thread | None = None
@@ -146,10 +146,6 @@ class EngineProcess:
         self._on_exit(status if status and status > 0 else DEVICE_FAILED_EXIT)
 
 
-def _exit_like(status: int) -> None:
-    """The replica ends as its engine did: the router moves its work elsewhere."""
-    logging.shutdown()
-    os._exit(status)
 
 
 def _engine_main(config: EngineConfig, conn, threads: int, tokenizer_eos) -> None:
