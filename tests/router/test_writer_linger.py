@@ -3,7 +3,10 @@ from its oldest write on; any other write, or enough deltas, sends it at once.
 Lingering changes when writes go, never their order. Real Redis."""
 
 import asyncio
+import contextlib
 import time
+
+import pytest
 
 from router.persistence.store import Store
 from router.persistence.writer import RedisWriter, Write
@@ -11,13 +14,19 @@ from router.persistence.writer import RedisWriter, Write
 LINGER = 1.0   # long, so a loaded machine cannot make a wait look like a flush
 
 
-async def started(redis_url, linger=LINGER, linger_items=64):
+@contextlib.asynccontextmanager
+async def running_writer(redis_url, linger=LINGER, linger_items=64):
+    """A started writer on a real Redis, connected; stopped on the way out."""
     store = Store(redis_url, "linger:", 60, timeout=2.0)
     writer = RedisWriter(store.lean, max_pending_submits=1000, stall_after=5.0,
                          linger=linger, linger_items=linger_items)
     writer.start()
-    await writer.call(Write(None, items=("PING",)))   # connected
-    return store, writer
+    try:
+        await writer.call(Write(None, items=("PING",)))   # connected
+        yield writer
+    finally:
+        await writer.stop()
+        await store.close()
 
 
 def incr(done: list, name: str, lingers: bool = True) -> Write:
@@ -28,8 +37,7 @@ def incr(done: list, name: str, lingers: bool = True) -> Write:
 
 def test_middle_output_waits_for_the_linger_then_goes_in_one_round_trip(redis_url, arun):
     async def scenario():
-        store, writer = await started(redis_url)
-        try:
+        async with running_writer(redis_url) as writer:
             done, trips = [], writer.round_trips
             started_at = time.monotonic()
             futures = [writer.call(incr(done, "a"))]
@@ -42,17 +50,13 @@ def test_middle_output_waits_for_the_linger_then_goes_in_one_round_trip(redis_ur
             assert done == ["a", "b", "c"] and writer.round_trips == trips + 1
             stored = await writer.call(Write(None, items=("LRANGE", "linger:order", "0", "-1")))
             assert stored == [b"a", b"b", b"c"]
-        finally:
-            await writer.stop()
-            await store.close()
 
     arun(scenario())
 
 
 def test_a_write_that_may_not_wait_sends_the_batch_at_once_in_order(redis_url, arun):
     async def scenario():
-        store, writer = await started(redis_url)
-        try:
+        async with running_writer(redis_url) as writer:
             done = []
             first = writer.call(incr(done, "a"))
             await asyncio.sleep(0.1)
@@ -63,41 +67,19 @@ def test_a_write_that_may_not_wait_sends_the_batch_at_once_in_order(redis_url, a
             await asyncio.gather(first, urgent, later)
             assert time.monotonic() - posted < LINGER / 2
             assert done == ["a", "submit", "b"]
-        finally:
-            await writer.stop()
-            await store.close()
 
     arun(scenario())
 
 
-def test_enough_deltas_go_at_once(redis_url, arun):
+@pytest.mark.parametrize("linger, linger_items, names", [(LINGER, 3, ("a", "b", "c")), (0.0, 64, ("a",))],
+                         ids=["enough deltas go at once", "without a linger nothing waits"])
+def test_writes_that_need_not_wait_go_at_once(redis_url, arun, linger, linger_items, names):
     async def scenario():
-        store, writer = await started(redis_url, linger_items=3)
-        try:
+        async with running_writer(redis_url, linger=linger, linger_items=linger_items) as writer:
             done = []
             posted = time.monotonic()
-            futures = [writer.call(incr(done, n)) for n in ("a", "b", "c")]
-            await asyncio.gather(*futures)
+            await asyncio.gather(*[writer.call(incr(done, n)) for n in names])
             assert time.monotonic() - posted < LINGER / 2
-            assert done == ["a", "b", "c"]
-        finally:
-            await writer.stop()
-            await store.close()
+            assert done == list(names)
 
     arun(scenario())
-
-
-def test_without_a_linger_nothing_waits(redis_url, arun):
-    async def scenario():
-        store, writer = await started(redis_url, linger=0.0)
-        try:
-            done = []
-            posted = time.monotonic()
-            await writer.call(incr(done, "a"))
-            assert time.monotonic() - posted < LINGER / 2 and done == ["a"]
-        finally:
-            await writer.stop()
-            await store.close()
-
-    arun(scenario())
-
