@@ -4,7 +4,7 @@ too few replicas): the write waits and goes again, as through an outage. Real Re
 import asyncio
 
 from router.persistence.writer import Write
-from tests.router.test_writer_linger import started
+from tests.router.test_writer_linger import running_writer
 
 
 def test_a_write_redis_refuses_for_memory_is_retried_until_it_fits(redis_url, arun):
@@ -17,20 +17,18 @@ def test_a_write_redis_refuses_for_memory_is_retried_until_it_fits(redis_url, ar
     before = admin.config_get("maxmemory")["maxmemory"]
 
     async def scenario():
-        store, writer = await started(redis_url, linger=0.0)
-        try:
-            admin.config_set("maxmemory", 1)
-            done = []
-            write = Write(None, items=("SET", "linger:big", "x" * 1000))
-            write.on_done = done.append
-            future = writer.call(write)
-            await asyncio.sleep(0.5)
-            assert not future.done() and writer.failing_since is not None   # refused, waiting
-            admin.config_set("maxmemory", before)
-            assert await asyncio.wait_for(future, 5) == b"OK" and done == [b"OK"]
-        finally:
-            admin.config_set("maxmemory", before)
-            await writer.stop()
-            await store.close()
+        async with running_writer(redis_url, linger=0.0) as writer:
+            try:
+                admin.config_set("maxmemory", 1)
+                done = []
+                write = Write(None, items=("SET", "linger:big", "x" * 1000))
+                write.on_done = done.append
+                future = writer.call(write)
+                await asyncio.sleep(0.5)
+                assert not future.done() and writer.failing_since is not None   # refused, waiting
+                admin.config_set("maxmemory", before)
+                assert await asyncio.wait_for(future, 5) == b"OK" and done == [b"OK"]
+            finally:
+                admin.config_set("maxmemory", before)
 
     arun(scenario())
